@@ -1,0 +1,79 @@
+"""The contract between a policy and an executor: what to run where, and what came back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+import numpy as np
+
+from .request import GREEDY, SamplingParams
+
+Lane = Literal["prefill", "decode", "all"]
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """An SM budget; the GPU executor maps it to a pre-created green-context stream."""
+
+    lane: Lane
+    num_sms: int
+
+
+class Chunk(NamedTuple):
+    """Positions ``[start, start + num_tokens)`` of one request. A NamedTuple: cheap on the hot path."""
+
+    req_id: int
+    start: int  # == the request's num_computed when scheduled
+    num_tokens: int  # 1 for a decode step
+    block_ids: Sequence[int]  # the request's block table at launch (read at launch, not kept)
+    sample: bool  # the chunk reaches the request's last known token: a token is sampled
+    token_ids: Sequence[int] | None = None  # input ids where the host has them (None: executor-side)
+    sampling: SamplingParams = GREEDY
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One launch on one lane. ``steps > 1`` fuses that many decode steps (every chunk one token, each
+    step feeding the token sampled by the last); policies size it to end at the next scheduling event."""
+
+    partition: Partition
+    layers: range  # all layers, or a slice: layer-granular prefill
+    chunks: tuple[Chunk, ...]
+    steps: int = 1  # sampling happens in the launch whose layer slice reaches the last layer
+
+    def __post_init__(self) -> None:
+        if self.steps > 1 and any(c.num_tokens != 1 or not c.sample for c in self.chunks):
+            raise ValueError("a fused multi-step batch holds only one-token decode chunks")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def lane(self) -> Lane:
+        return self.partition.lane
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    batch: Batch
+    start: float
+    end: float
+    step_ends: Sequence[float]  # end of each fused step (len == batch.steps; last == end)
+    tokens: np.ndarray | None  # (steps, chunks) sampled ids, -1 where none; None: lengths only (simulator)
+
+
+class Executor(Protocol):
+    def now(self) -> float:
+        """Seconds, wall or virtual."""
+
+    def launch(self, batch: Batch) -> None:
+        """Non-blocking; at most one batch in flight per lane."""
+
+    def wait(self, until: float | None) -> list[StepResult]:
+        """Finished steps (in end order); [] once ``until`` passes with nothing finished."""
+
+    def busy(self, lane: Lane) -> bool:
+        """A batch is in flight on ``lane``."""
