@@ -435,6 +435,7 @@ def save_trace(requests: Sequence[Request], path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.writelines(lines)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0o600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
