@@ -179,10 +179,18 @@ def _detect(first_line: str, path: str) -> str:
     if first_line.lstrip().startswith("{"):
         return "mooncake"
     header = [h.strip().lower() for h in next(csv.reader([first_line]), [])]
+    # A full match wins (vidur before lengths); else the format with the largest share of its columns
+    # present, so that a header missing one column gets a "missing column" error for that format.
+    best, best_share = None, 0.0
     for fmt in ("azure", "vidur", "lengths"):
         cols = [c.lower() for c in _CSV_COLUMNS[fmt] if c is not None]
-        if all(c in header for c in cols):
+        share = sum(c in header for c in cols) / len(cols)
+        if share == 1.0:
             return fmt
+        if share > best_share:
+            best, best_share = fmt, share
+    if best is not None:
+        return best
     raise TraceError(
         f"unknown trace header {first_line.strip()[:120]!r}; expected one of: "
         "'TIMESTAMP,ContextTokens,GeneratedTokens' (azure), "
@@ -201,8 +209,8 @@ def _read_csv(text: str, path: str, fmt: str) -> TraceTable:
         if col is None:
             continue
         if col.lower() not in lower:
-            raise TraceError(f"missing column {col!r} required by the {fmt} format (header: "
-                             f"{','.join(header)!r})", path, 1)
+            raise TraceError(f"missing column, required by the {fmt} format (header: {','.join(header)!r})",
+                             path, 1, col)
         index.append(lower.index(col.lower()))
         names.append(col)
     timed = fmt != "lengths"
