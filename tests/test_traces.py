@@ -6,6 +6,7 @@ import itertools
 import json
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from bullet.request import Request
 from bullet.traces import (
     BUILTIN_TRACES,
     TraceError,
+    _Clock,
     arrivals,
     load_trace,
     read_table,
@@ -155,6 +157,28 @@ def test_azure_timestamps_cross_midnight_and_iso_forms(tmp_path):
                            "2023-11-17 01:00:01.5+01:00,4,4\n")
     times = [r.arrival for r in load_trace(path)]
     assert times == pytest.approx([0.0, 0.2, 1.1, 1.6])
+
+
+def test_fixed_width_timestamps_cross_midnight_and_bad_dates(tmp_path):
+    path = write(tmp_path, HEADER + "2023-11-16 23:59:59.9000000,1,1\n2023-11-17 00:00:00.1000000,2,2\n")
+    assert [r.arrival for r in load_trace(path)] == pytest.approx([0.0, 0.2])
+    path = write(tmp_path, HEADER + ROW + "2023-02-30 18:15:46.6805900,1,1\n")
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    assert (e.value.line, e.value.field) == (3, "TIMESTAMP")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31)),
+                min_size=1, max_size=30), st.integers(0, 9_999_999))
+def test_fast_and_general_timestamp_parsers_agree(tmp_path_factory, stamps, tick):
+    lines = [f"{s:%Y-%m-%d %H:%M:%S}.{(s.microsecond * 10 + tick) % 10**7:07d},1,1" for s in sorted(stamps)]
+    path = tmp_path_factory.mktemp("ts") / "t.csv"
+    path.write_text(HEADER + "\n".join(lines) + "\n")
+    fast = read_table(path).arrivals
+    clock = _Clock()
+    general = np.array([clock.seconds(line.split(",")[0], "t", 0, "f") for line in lines])
+    np.testing.assert_allclose(fast, general - general.min(), rtol=0, atol=1e-6)
 
 
 def test_format_can_be_forced(tmp_path):
