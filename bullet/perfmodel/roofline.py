@@ -1,0 +1,412 @@
+"""An analytic, per-kernel roofline latency model, scaled by SM count, with co-runner contention.
+
+A launch is a fixed list of kernels per layer -- QKV, O, gate-up and down GEMMs, attention, two fused
+residual-add RMSNorms, RoPE + KV store, SiLU*mul (and q/k RMSNorm for Qwen3) -- plus the once-per-launch
+ones (embedding; final norm, LM head and sampler when tokens are sampled) and, for ``tp > 1``, two ring
+all-reduces per layer. Each kernel takes::
+
+    T = max(T_compute, T_memory) + kernel_overhead
+
+* ``T_compute``: the work is cut into tiles -- GEMM output tiles of ``tile_m x tile_n`` (``tile_m_small``
+  rows when M is small), split along K (split-K / stream-K) while the tiles cannot fill the partition
+  (the fp32 partial sums stay in L2 and are not counted as HBM bytes);
+  attention tiles of ``ATTN_TILE_PAIRS`` query-key pairs of one head -- that run in waves of
+  ``n * blocks_per_sm``: ``waves = ceil(tiles / (n * bps))`` (wave quantization). A wave takes
+  ``bps * tile_flops / c(u)`` where ``u = ceil(tiles / (waves * bps))`` are the SMs kept busy and
+  ``c(u) = c0 * min(1 + partition_boost, (N / u) ** (1/3))`` the per-SM rate of a power-capped clock: with
+  fewer SMs drawing power the clock runs higher, which is what the H200 8192^3 scaling shows (0.54 of
+  full speed on 64 of 132 SMs). Counting busy rather than partition SMs keeps time non-increasing in SMs.
+* ``T_memory = bytes / D(n)``, ``D(n) = D_max * x / (1 + x^p) ** (1/p)``, ``x = n * sm_bandwidth / D_max``:
+  linear in SMs (``sm_bandwidth`` each), saturating at ``D_max = hbm_efficiency * gpu.bandwidth`` after
+  the knee ``n_d = D_max / sm_bandwidth``; ``p = knee_sharpness``.
+* Contention: a co-runner ``co`` on ``co_sms`` other SMs draws ``u = bytes(co) / T(co alone)`` of HBM
+  bandwidth (share ``rho = u / D_max``). This launch then gets a proportional share of HBM once both
+  demands exceed it, ``D(n) * min(1, D_max / (D(n) + u))``, further divided by
+  ``1 + bw_interference * rho`` (queueing, row-buffer and L2 conflicts), and its compute rate is divided
+  by ``1 + compute_interference * rho`` (longer load latencies and L2 misses stalling the GEMM pipeline).
+  ``u`` is the co-runner's stand-alone demand (no fixed point): deterministic and cheap.
+
+Nothing is collapsed that changes a per-kernel max(): the memory-only kernels (norms, RoPE, activation,
+embedding, sampler) have negligible FLOPs, so their bytes are summed into one term (exact), and all
+layers of a slice are identical (one layer computed, times the layer count). One implementation serves a
+scalar SM count (plain Python floats: the simulator's hot path) and an array of them (numpy, the same
+operations element-wise), so both give identical numbers. Constants and calibration: docs/perfmodel.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from math import ceil
+
+import numpy as np
+
+from ..config import GpuSpec, ModelSpec
+from .base import Work
+
+# Attention work unit: 128 query rows x 64 key columns of one head (a FlashAttention-style tile).
+ATTN_TILE_PAIRS = 128 * 64
+# Dynamic power ~ f * V^2 with V ~ f: the clock a power cap allows scales as (power share) ** (1/3).
+CLOCK_POWER_EXPONENT = 1.0 / 3.0
+# Split-K never cuts K below this many elements per split (cuBLAS/CUTLASS split-K heuristics).
+MIN_SPLIT_K = 512
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineConstants:
+    """The model's named constants. The first eight are fitted by bench/perfmodel_calibration.py to the
+    H200 figures in BACKGROUND.md; the rest are assumed, kernel-design or datasheet values; each one's
+    source is in docs/perfmodel.md."""
+
+    # fitted (H200, Llama-3.1-8B shapes; bench/perfmodel_calibration.py --fit)
+    gemm_efficiency: float = 1.0204  # c0 = gemm_efficiency * gpu.flops / num_sms: per-SM GEMM rate
+    partition_boost: float = 0.1436  # max per-SM clock gain when few SMs are busy (power headroom)
+    hbm_efficiency: float = 1.1163  # D_max = hbm_efficiency * gpu.bandwidth (bound: datasheet 4.8 TB/s)
+    sm_bandwidth: float = 58.29e9  # bytes/s one SM streams while HBM is not saturated
+    knee_sharpness: float = 1.5657  # p of the smooth min(n * sm_bandwidth, D_max)
+    kernel_overhead: float = 5.64e-6  # s per kernel: launch gap, prologue and tail
+    bw_interference: float = 1.5674  # memory slowdown per unit of co-runner bandwidth share
+    compute_interference: float = 0.5766  # compute slowdown per unit of co-runner bandwidth share
+    # assumed (not identifiable from the H200 figures: only the 4096 prefill total constrains it)
+    attn_efficiency: float = 0.6  # attention FLOP rate / GEMM FLOP rate (FlashAttention-2-class kernels)
+    # kernel design (not fitted)
+    tile_m: int = 128  # GEMM tile rows (cuBLAS sm90 bf16 kernels: 128x256 and 64x256 tiles)
+    tile_m_small: int = 64  # ... when the GEMM has at most this many rows
+    tile_n: int = 256
+    blocks_per_sm: int = 1  # resident GEMM tiles per SM (large-shared-memory Hopper kernels run one)
+    sample_passes: float = 3.0  # passes over the fp32 logits by the sampler (softmax, top-k/p, pick)
+    # interconnect (datasheet-derived; used only when tp > 1)
+    allreduce_bandwidth: float = 360e9  # NCCL bus bandwidth, bytes/s (NVLink4: ~0.8 x 450 GB/s)
+    allreduce_latency: float = 10e-6  # s per all-reduce
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            may_be_zero = f.name in ("partition_boost", "bw_interference", "compute_interference")
+            if not isinstance(v, (int, float)) or not (v >= 0 if may_be_zero else v > 0):
+                raise ValueError(f"RooflineConstants.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
+                                 f"got {v!r}")
+        for name in ("tile_m", "tile_m_small", "tile_n", "blocks_per_sm"):
+            if not isinstance(getattr(self, name), int):
+                raise TypeError(f"RooflineConstants.{name} must be an int")
+
+
+# Fitted on the H200 by bench/perfmodel_calibration.py (table and date in docs/perfmodel.md).
+H200_CONSTANTS = RooflineConstants()
+
+# Per GPU: the same efficiency constants everywhere (each GPU brings its own peaks through GpuSpec);
+# only what is a property of the part itself differs.
+GPU_CONSTANTS: dict[str, RooflineConstants] = {
+    "h200": H200_CONSTANTS,
+    "h100": H200_CONSTANTS,
+    # A100: NVLink3, 600 GB/s total = 300 GB/s per direction; ~0.8 of it as NCCL bus bandwidth.
+    "a100": replace(H200_CONSTANTS, allreduce_bandwidth=240e9),
+}
+
+
+class _Gemm:
+    """One GEMM of the launch: ``(M x K) @ (K x N)`` with M = tokens (or samples for the LM head)."""
+
+    __slots__ = ("k", "max_split", "n", "n_tiles", "row_bytes", "wave_flops", "weight_bytes")
+
+    def __init__(self, n: int, k: int, bm: int, c: RooflineConstants, dtype_bytes: int,
+                 bias: bool = False) -> None:
+        self.n_tiles = -(-n // c.tile_n)
+        self.k, self.n = k, n
+        self.wave_flops = c.blocks_per_sm * 2.0 * bm * c.tile_n * k  # one wave, one SM, no split
+        self.max_split = max(1, k // MIN_SPLIT_K)
+        self.weight_bytes = (n * k + n * bias) * dtype_bytes  # read once per launch
+        self.row_bytes = (k + n) * dtype_bytes  # activations in and out, per row
+
+
+class _Shapes:
+    """Everything per tile height (``tile_m`` for big M, ``tile_m_small`` for small M)."""
+
+    __slots__ = (
+        "bm",
+        "layer_gemms",
+        "lm_head",
+        "max_split",
+        "n_tiles",
+        "row_bytes",
+        "wave_flops",
+        "weight_bytes",
+    )
+
+    def __init__(self, bm: int, layer_gemms: tuple[_Gemm, ...], lm_head: _Gemm) -> None:
+        self.bm, self.layer_gemms, self.lm_head = bm, layer_gemms, lm_head
+
+        def col(name: str) -> np.ndarray:  # the layer GEMMs stacked, for the vectorised path
+            return np.array([float(getattr(g, name)) for g in layer_gemms])[:, None]
+
+        self.n_tiles, self.wave_flops, self.max_split = col("n_tiles"), col("wave_flops"), col("max_split")
+        self.weight_bytes, self.row_bytes = col("weight_bytes"), col("row_bytes")
+
+
+class RooflineModel:
+    """Analytic per-kernel roofline: ``RooflineModel(model, gpu, **constants)``.
+
+    ``constants`` override :class:`RooflineConstants` fields; the defaults are ``GPU_CONSTANTS[gpu.name]``
+    (the H200's for a GPU not listed). Implements :class:`~bullet.perfmodel.base.LatencyModel`; extras:
+    :meth:`gemm_time` (one raw GEMM), :meth:`breakdown` (seconds per kernel kind).
+    """
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, **constants: float) -> None:
+        names = {f.name for f in fields(RooflineConstants)}
+        unknown = sorted(set(constants) - names)
+        if unknown:
+            raise TypeError(f"RooflineModel: unknown constant(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(names))}")
+        self.model, self.gpu = model, gpu
+        self.constants = c = replace(GPU_CONSTANTS.get(gpu.name, H200_CONSTANTS), **constants)
+        N = self.num_sms = gpu.num_sms
+        self.bps = c.blocks_per_sm
+        # Per-SM-count tables, index = SM count (0 unused but finite).
+        n = np.arange(N + 1, dtype=np.float64)
+        n[0] = 1.0
+        c0 = c.gemm_efficiency * gpu.flops / N
+        self.inv_c = 1.0 / (c0 * np.minimum(1.0 + c.partition_boost, (N / n) ** CLOCK_POWER_EXPONENT))
+        self.d_max = c.hbm_efficiency * gpu.bandwidth
+        x = n * c.sm_bandwidth / self.d_max
+        self.bw = self.d_max * x / (1.0 + x ** c.knee_sharpness) ** (1.0 / c.knee_sharpness)
+        self.inv_bw = 1.0 / self.bw
+        self._slots = n * self.bps  # float: the vectorised path divides in floats
+        self._slots[0] = self.bps
+        self._inv_c_list = self.inv_c.tolist()
+        self._bw_list = self.bw.tolist()
+        self._inv_bw_list = self.inv_bw.tolist()
+        # Shapes, per GPU after tensor parallelism.
+        m = model
+        h, q, kv, f, dt = m.hidden_size, m.q_size, m.kv_size, m.ffn_per_gpu, m.dtype_bytes
+        self._big, self._small = (
+            _Shapes(bm, (_Gemm(q + 2 * kv, h, bm, c, dt, m.qkv_bias), _Gemm(h, q, bm, c, dt),
+                         _Gemm(2 * f, h, bm, c, dt), _Gemm(h, f, bm, c, dt)),
+                    _Gemm(m.vocab_size, h, bm, c, dt))
+            for bm in (c.tile_m, c.tile_m_small))
+        self._attn_tiles_per_pair = m.heads_per_gpu / ATTN_TILE_PAIRS
+        self._attn_wave_flops = self.bps * 4.0 * m.head_dim * ATTN_TILE_PAIRS / c.attn_efficiency
+        self._attn_kv_bytes = 2 * kv * dt  # K and V per cached token, per layer
+        self._attn_row_bytes = 2 * q * dt  # query in, output out
+        # Memory-only kernels, bytes per token per layer: 2 fused residual-add RMSNorms (read x and the
+        # residual, write both), RoPE on q and k plus the K/V store, SiLU(gate) * up, q/k RMSNorm.
+        self._elem_bytes = (2 * 4 * h + 2 * (q + kv) + 2 * 2 * kv + 3 * f + 2 * (q + kv) * m.qk_norm) * dt
+        self._layer_kernels = 9 + m.qk_norm  # 4 GEMMs, attention, 2 norms, RoPE, SiLU*mul (+ q/k norm)
+        self._sample_bytes_per_row = (4 * h * dt  # final norm
+                                      + c.sample_passes * m.vocab_size * 4)  # fp32 logits
+        self._embed_bytes_per_row = 2 * h * dt
+        if m.tp > 1:  # two ring all-reduces per layer of tokens x hidden: 2 (tp-1)/tp of it crosses NVLink
+            self._ar_fixed = 2 * c.allreduce_latency
+            self._ar_per_token = 2 * 2 * (m.tp - 1) / m.tp * h * dt / c.allreduce_bandwidth
+        else:
+            self._ar_fixed = self._ar_per_token = 0.0
+        self._demand: dict[tuple[Work, int], float | np.ndarray] = {}  # (co, co_sms or -1: all)
+
+    # ------------------------------------------------------------------ the LatencyModel protocol
+    def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
+        """Seconds for ``work`` on ``num_sms`` SMs (int, or an array -> array) while ``co`` runs on
+        ``co_sms`` other SMs (int, or an array matching ``num_sms``; None / 0: alone)."""
+        n, arr = self._sms(num_sms)
+        if work.tokens < 1:
+            raise ValueError(f"a launch needs at least one token, got {work!r}")
+        cf, inv_bw = self._contention(n, arr, co, co_sms)
+        rest = self._rest(work, n, arr, cf, inv_bw)
+        att = self._attention(work.attn_pairs, work.kv_read, work.tokens, n, arr, cf, inv_bw)
+        out = rest + work.num_layers * att
+        return out if arr else float(out)
+
+    def decode_steps(self, work: Work, steps: int, num_sms, co: Work | None = None,
+                     co_sms=0) -> np.ndarray:
+        """Seconds of each of ``steps`` fused decode steps: step i has ``attn_pairs + i * seqs`` pairs and
+        reads ``kv_read + i * seqs`` KV tokens; the rest is the same every step. Equal to ``predict`` on
+        each step's Work (same operations, element-wise over the steps)."""
+        n, arr = self._sms(num_sms)
+        if arr:
+            raise ValueError("decode_steps takes one SM count")
+        if work.tokens < 1:
+            raise ValueError(f"a launch needs at least one token, got {work!r}")
+        cf, inv_bw = self._contention(n, False, co, co_sms)
+        rest = self._rest(work, n, False, cf, inv_bw)
+        grow = np.arange(steps, dtype=np.float64) * work.seqs
+        att = self._attention(work.attn_pairs + grow, work.kv_read + grow, work.tokens, n, True, cf, inv_bw)
+        return rest + work.num_layers * att
+
+    # ------------------------------------------------------------------ extras
+    def gemm_time(self, m: int, n: int, k: int, num_sms, co: Work | None = None, co_sms=0):
+        """Seconds for one bf16 ``(m x k) @ (k x n)`` GEMM on ``num_sms`` SMs (int or array), with the
+        kernel overhead; the SM-scaling calibration points are such single GEMMs."""
+        c = self.constants
+        sms, arr = self._sms(num_sms)
+        cf, inv_bw = self._contention(sms, arr, co, co_sms)
+        bm = c.tile_m_small if m <= c.tile_m_small else c.tile_m
+        g = _Gemm(n, k, bm, c, self.model.dtype_bytes)
+        if arr:
+            cfs, invs = np.broadcast_to(cf, sms.shape), np.broadcast_to(inv_bw, sms.shape)
+            return np.array([self._gemm(g, m, -(-m // bm), int(s), float(f), float(b)) + c.kernel_overhead
+                             for s, f, b in zip(sms, cfs, invs)])
+        return self._gemm(g, m, -(-m // bm), sms, cf, inv_bw) + c.kernel_overhead
+
+    def breakdown(self, work: Work, num_sms: int) -> dict[str, float]:
+        """Seconds per kernel kind over the whole launch, alone on ``num_sms`` SMs (for explaining)."""
+        n, _ = self._sms(num_sms)
+        inv_bw = self._inv_bw_list[n]
+        t, L = work.tokens, work.num_layers
+        sh = self._small if t <= self._small.bm else self._big
+        mt = -(-t // sh.bm)
+        out = {name: L * self._gemm(g, t, mt, n, 1.0, inv_bw)
+               for name, g in zip(("qkv", "o", "gate_up", "down"), sh.layer_gemms)}
+        out["attention"] = L * self._attention(work.attn_pairs, work.kv_read, t, n, False, 1.0, inv_bw)
+        out["memory_only"] = (L * self._elem_bytes * t + self._embed_bytes_per_row * t * bool(work.embed)
+                              + self._sample_bytes_per_row * work.samples) * inv_bw
+        s = work.samples
+        out["lm_head"] = self._gemm(sh.lm_head, s, -(-s // sh.bm), n, 1.0, inv_bw) if s else 0.0
+        out["overhead"] = self._kernels(work) * self.constants.kernel_overhead
+        out["allreduce"] = L * (self._ar_fixed + self._ar_per_token * t) if self._ar_fixed else 0.0
+        return out
+
+    def work_bytes(self, work: Work) -> float:
+        """HBM bytes the launch moves (weights once per launch, activations, KV reads)."""
+        t, L, s = work.tokens, work.num_layers, work.samples
+        sh = self._small if t <= self._small.bm else self._big
+        gem = sum(g.weight_bytes + g.row_bytes * t for g in sh.layer_gemms)
+        att = self._attn_kv_bytes * work.kv_read + self._attn_row_bytes * t
+        once = self._embed_bytes_per_row * t * bool(work.embed)
+        if s:
+            once += sh.lm_head.weight_bytes + sh.lm_head.row_bytes * s + self._sample_bytes_per_row * s
+        return L * (gem + att + self._elem_bytes * t) + once
+
+    def constants_dict(self) -> dict[str, float]:
+        return asdict(self.constants)
+
+    # ------------------------------------------------------------------ internals
+    def _sms(self, num_sms):
+        """(SM count as an int or an intp array, is_array), bounds-checked."""
+        if isinstance(num_sms, (int, np.integer)) or np.ndim(num_sms) == 0:
+            n = int(num_sms)
+            if not 1 <= n <= self.num_sms:
+                raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
+            return n, False
+        n = np.asarray(num_sms, dtype=np.intp)
+        if n.size and (n.min() < 1 or n.max() > self.num_sms):
+            raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
+        return n, True
+
+    def _contention(self, n, arr: bool, co: Work | None, co_sms):
+        """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``."""
+        scalar_co = isinstance(co_sms, (int, np.integer))
+        if co is None or (scalar_co and co_sms == 0):
+            return 1.0, (self.inv_bw[n] if arr else self._inv_bw_list[n])
+        c = self.constants
+        if scalar_co:
+            key = (co, int(co_sms))
+            u = self._demand.get(key)
+            if u is None:
+                u = self._co_demand(co, key[1])
+        else:
+            co_n = np.asarray(co_sms, dtype=np.intp)
+            if not arr or co_n.shape != n.shape:
+                raise ValueError("an array co_sms needs an array num_sms of the same shape")
+            if co_n.size and (co_n.min() < 0 or co_n.max() > self.num_sms):
+                raise ValueError(f"co_sms must be in 0..{self.num_sms}, got {co_sms!r}")
+            key = (co, -1)
+            table = self._demand.get(key)
+            if table is None:
+                table = self._co_demand_table(co)
+            u = table[co_n]
+        rho = u / self.d_max
+        if arr:
+            bw = self.bw[n]
+            inv_bw = (1.0 + c.bw_interference * rho) * np.maximum(1.0, (bw + u) / self.d_max) / bw
+        else:
+            bw = self._bw_list[n]
+            inv_bw = (1.0 + c.bw_interference * rho) * max(1.0, (bw + u) / self.d_max) / bw
+        return 1.0 + c.compute_interference * rho, inv_bw
+
+    def _co_demand(self, co: Work, co_sms: int) -> float:
+        if len(self._demand) >= 8192:  # bounded: a simulator sees many distinct co-runners
+            self._demand.clear()
+        u = self.work_bytes(co) / self.predict(co, co_sms)
+        self._demand[(co, co_sms)] = u
+        return u
+
+    def _co_demand_table(self, co: Work) -> np.ndarray:
+        """The co-runner's demand on every SM count at once (index 0: no co-runner, no demand)."""
+        if len(self._demand) >= 8192:
+            self._demand.clear()
+        table = np.zeros(self.num_sms + 1)
+        table[1:] = self.work_bytes(co) / self.predict(co, np.arange(1, self.num_sms + 1))
+        self._demand[(co, -1)] = table
+        return table
+
+    def _kernels(self, work: Work) -> int:
+        hs = work.samples > 0
+        return work.num_layers * self._layer_kernels + 3 * hs + bool(work.embed)
+
+    def _gemm(self, g: _Gemm, rows: int, row_tiles: int, n: int, cf: float, inv_bw: float) -> float:
+        """max(compute, memory) seconds of one GEMM launch of ``rows`` rows (M) on ``n`` SMs."""
+        tiles = row_tiles * g.n_tiles
+        slots = n * self.bps
+        split = min(max(slots // tiles, 1), g.max_split)
+        units = tiles * split
+        waves = -(-units // slots)
+        busy = -(-units // (waves * self.bps))
+        t_c = waves / split * (g.wave_flops * cf) * self._inv_c_list[busy]
+        t_m = (g.weight_bytes + g.row_bytes * rows) * inv_bw
+        return max(t_m, t_c)
+
+    def _gemms(self, sh: _Shapes, rows: int, row_tiles: int, n: np.ndarray, cf, inv_bw) -> np.ndarray:
+        """The layer GEMMs of ``sh`` at once over an array of SM counts: the same per-element operations
+        as :meth:`_gemm` (integers held exactly in floats), shape (gemms, len(n))."""
+        tiles = row_tiles * sh.n_tiles
+        slots = self._slots[n]
+        split = np.minimum(np.maximum(np.floor(slots / tiles), 1.0), sh.max_split)
+        units = tiles * split
+        waves = np.ceil(units / slots)
+        busy = np.ceil(units / (waves * self.bps)).astype(np.intp)
+        t_c = waves / split * (sh.wave_flops * cf) * self.inv_c[busy]
+        t_m = (sh.weight_bytes + sh.row_bytes * rows) * inv_bw
+        return np.maximum(t_c, t_m)
+
+    def _attention(self, pairs, kv_read, tokens: int, n, arr: bool, cf, inv_bw):
+        """max(compute, memory) seconds of one layer's attention; ``pairs``/``kv_read`` may be arrays
+        (decode steps) or ``n`` may be an array (a menu of SM counts), not both."""
+        tiles = pairs * self._attn_tiles_per_pair
+        slots = n * self.bps
+        t_m = (self._attn_kv_bytes * kv_read + self._attn_row_bytes * tokens) * inv_bw
+        if arr:
+            waves = np.ceil(tiles / slots)
+            busy = np.ceil(tiles / (np.maximum(waves, 1.0) * self.bps)).astype(np.intp)
+            t_c = waves * (self._attn_wave_flops * cf) * self.inv_c[busy]
+            return np.maximum(t_c, t_m)
+        if tiles <= 0:
+            return t_m
+        waves = float(ceil(tiles / slots))  # the same float operations as np.ceil above
+        busy = ceil(tiles / (waves * self.bps))
+        t_c = waves * (self._attn_wave_flops * cf) * self._inv_c_list[busy]
+        return max(t_m, t_c)
+
+    def _rest(self, work: Work, n, arr: bool, cf, inv_bw):
+        """Everything but attention: layer GEMMs, memory-only kernels, LM head, overheads, all-reduce."""
+        t, L, s = work.tokens, work.num_layers, work.samples
+        sh = self._small if t <= self._small.bm else self._big
+        mt = -(-t // sh.bm)
+        if arr:
+            if np.ndim(cf):
+                cf = cf[None, :]
+            gemms = self._gemms(sh, t, mt, n, cf, inv_bw).sum(axis=0)
+        else:
+            g0, g1, g2, g3 = (self._gemm(g, t, mt, n, cf, inv_bw) for g in sh.layer_gemms)
+            gemms = ((g0 + g1) + g2) + g3  # the order numpy sums the stacked rows in
+        layer = self._elem_bytes * t * inv_bw + gemms
+        once = self._kernels(work) * self.constants.kernel_overhead
+        if work.embed:
+            once = once + self._embed_bytes_per_row * t * inv_bw
+        if s:
+            once = once + self._sample_bytes_per_row * s * inv_bw
+            g = sh.lm_head
+            if arr:
+                once = once + np.array([self._gemm(g, s, -(-s // sh.bm), int(k), float(f), float(b))
+                                        for k, f, b in np.broadcast(n, cf, inv_bw)])
+            else:
+                once = once + self._gemm(g, s, -(-s // sh.bm), n, cf, inv_bw)
+        if self._ar_fixed:
+            once = once + L * (self._ar_fixed + self._ar_per_token * t)
+        return L * layer + once

@@ -1,0 +1,203 @@
+"""The roofline latency model: invariants (monotone, vectorised == scalar, contention only slows) and its
+accuracy against the H200 calibration figures (BACKGROUND.md; table in docs/perfmodel.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bullet.config import GPUS, MODELS
+from bullet.perfmodel import LatencyModel, RooflineModel, Work
+
+H200 = GPUS["h200"]
+N = H200.num_sms
+LLAMA8B = MODELS["llama-3.1-8b"]
+
+
+@pytest.fixture(scope="module")
+def model() -> RooflineModel:
+    return RooflineModel(LLAMA8B, H200)
+
+
+def prefill(p: int, layers: int = 32, sample: bool = False) -> Work:
+    return Work(layers, p, 1, p * (p + 1) / 2, p, int(sample), sample)
+
+
+def decode(batch: int, ctx: int, layers: int = 32) -> Work:
+    return Work(layers, batch, batch, float(batch * ctx), batch * ctx, batch, True)
+
+
+DECODE_CAL = Work(32, 128, 128, 128 * 1024.0, 128 * 1024, 0, False)  # the measured decode step
+WORKS = [prefill(p) for p in (1, 17, 64, 65, 512, 4096, 8192)] + [
+    decode(b, c) for b in (1, 7, 64, 128, 256) for c in (16, 1024, 8192)]
+
+
+def test_implements_the_protocol(model):
+    assert isinstance(model, RooflineModel)
+    proto: LatencyModel = model  # static check of the signature; runtime: the methods exist
+    assert callable(proto.predict) and callable(proto.decode_steps)
+
+
+# ---------------------------------------------------------------- accuracy against the H200 figures
+def test_prefill_4096_within_5_percent(model):
+    assert model.predict(prefill(4096), N) == pytest.approx(89.6e-3, rel=0.05)
+
+
+def test_decode_128x1024_within_5_percent(model):
+    assert model.predict(DECODE_CAL, N) == pytest.approx(10.3e-3, rel=0.05)
+
+
+def test_square_gemm_rate_and_sm_scaling(model):
+    full = model.gemm_time(8192, 8192, 8192, N)
+    assert 2 * 8192**3 / full == pytest.approx(791e12, rel=0.03)
+    measured = {16: 0.14, 32: 0.28, 64: 0.54, 72: 0.61, 96: 0.80, 128: 0.91}
+    for n, ratio in measured.items():  # 128 SMs: +10 % (cuBLAS picks another kernel on the full GPU)
+        assert full / model.gemm_time(8192, 8192, 8192, n) == pytest.approx(ratio, rel=0.11), n
+
+
+def test_skinny_gemm_sm_scaling(model):
+    full = model.gemm_time(64, 57344, 8192, N)
+    for n, ratio in {16: 0.24, 32: 0.44, 64: 0.70}.items():
+        assert full / model.gemm_time(64, 57344, 8192, n) == pytest.approx(ratio, rel=0.05), n
+    # 96 (0.72) and 128 (1.08) are cuBLAS kernel switches the smooth model cannot follow: documented
+    # errors +23 % and -8 %; the model stays monotone instead.
+    assert full / model.gemm_time(64, 57344, 8192, 128) == pytest.approx(1.08, rel=0.10)
+
+
+def _corun(model, p: int, n_p: int):
+    wp, n_d = prefill(p), N - n_p
+    tp = model.predict(wp, n_p, DECODE_CAL, n_d)
+    td = model.predict(DECODE_CAL, n_d, wp, n_p)
+    seq = model.predict(wp, N) + tp / td * model.predict(DECODE_CAL, N)
+    return seq / tp, tp / model.predict(wp, n_p) - 1, td / model.predict(DECODE_CAL, n_d) - 1
+
+
+def test_corun_figures(model):
+    speedup, _, _ = _corun(model, 8192, 88)
+    assert speedup == pytest.approx(1.20, rel=0.06)  # measured 1.20x at 80-96 prefill SMs
+    grid = [_corun(model, p, n) for p in (1024, 2048, 4096, 8192) for n in (64, 72, 80, 88, 96)]
+    assert max(g[1] for g in grid) == pytest.approx(0.33, abs=0.03)  # prefill slowed by up to ~33 %
+    for _, _, dec in grid:  # decode steps slowed by ~10-20 %
+        assert 0.08 <= dec <= 0.22
+    assert all(0.94 <= g[0] <= 1.25 for g in grid)  # measured range 0.94x-1.20x
+
+
+# ---------------------------------------------------------------- invariants
+@pytest.mark.parametrize("n", [1, 8, 36, 64, 96, 132])
+def test_more_tokens_never_faster(model, n):
+    t = [model.predict(prefill(p), n) for p in range(1, 9000, 11)]
+    assert np.all(np.diff(t) >= 0)
+    t = [model.predict(decode(b, 1024), n) for b in range(1, 400)]
+    assert np.all(np.diff(t) >= 0)
+    t = [model.predict(decode(64, c), n) for c in range(1, 20000, 97)]
+    assert np.all(np.diff(t) >= 0)
+
+
+@pytest.mark.parametrize("work", WORKS, ids=lambda w: f"t{w.tokens}kv{w.kv_read}")
+def test_more_sms_never_slower(model, work):
+    t = model.predict(work, np.arange(1, N + 1))
+    assert np.all(np.diff(t) <= 0)
+
+
+def test_array_of_sms_equals_scalar_calls(model):
+    menu = np.array(H200.partition_sizes())
+    for w in WORKS:
+        arr = model.predict(w, menu)
+        assert isinstance(arr, np.ndarray) and arr.shape == menu.shape
+        np.testing.assert_allclose(arr, [model.predict(w, int(n)) for n in menu], rtol=1e-12)
+        co = [model.predict(w, int(n), DECODE_CAL, N - int(n)) for n in menu]
+        np.testing.assert_allclose(model.predict(w, menu, DECODE_CAL, N - menu), co, rtol=1e-12)
+
+
+@pytest.mark.parametrize("co", [None, prefill(4096), decode(32, 512)])
+def test_decode_steps_equal_step_by_step_predict(model, co):
+    for work in (decode(1, 5), decode(128, 1024), decode(200, 3000), DECODE_CAL):
+        steps = model.decode_steps(work, 25, 40, co, 92 if co else 0)
+        assert steps.shape == (25,)
+        one_by_one = [model.predict(work._replace(attn_pairs=work.attn_pairs + i * work.seqs,
+                                                  kv_read=work.kv_read + i * work.seqs), 40, co,
+                                    92 if co else 0) for i in range(25)]
+        np.testing.assert_allclose(steps, one_by_one, rtol=1e-12)
+        assert np.all(np.diff(steps) >= 0)
+
+
+def test_contention_slows_both_lanes_and_speeds_none(model):
+    for p in (256, 2048, 8192):
+        wp = prefill(p)
+        for wd in (decode(8, 256), DECODE_CAL, decode(256, 4096)):
+            for n_p in H200.partition_sizes():
+                n_d = N - n_p
+                alone_p, alone_d = model.predict(wp, n_p), model.predict(wd, n_d)
+                assert model.predict(wp, n_p, wd, n_d) >= alone_p
+                assert model.predict(wd, n_d, wp, n_p) >= alone_d
+    # a heavy co-runner does slow the other lane measurably
+    assert model.predict(DECODE_CAL, 36, prefill(8192), 96) > 1.05 * model.predict(DECODE_CAL, 36)
+    assert model.predict(prefill(8192), 80, DECODE_CAL, 52) > 1.15 * model.predict(prefill(8192), 80)
+    # no co-runner SMs, or no co-runner: alone
+    assert model.predict(DECODE_CAL, 36, prefill(8192), 0) == model.predict(DECODE_CAL, 36)
+
+
+def test_wave_quantization_one_tile_over_a_wave_costs_a_second_wave(model):
+    # 64 SMs, one 128x256 tile per SM: 64 tiles are one wave, 65 tiles are two (compute-bound, K=8192)
+    one_wave = model.gemm_time(4 * 128, 16 * 256, 8192, 64)  # 4 x 16 = 64 tiles
+    two_waves = model.gemm_time(5 * 128, 13 * 256, 8192, 64)  # 5 x 13 = 65 tiles
+    assert 1.8 < two_waves / one_wave < 2.05
+    # ... whereas on 72 SMs both fit in one wave
+    assert model.gemm_time(5 * 128, 13 * 256, 8192, 72) == pytest.approx(one_wave, rel=0.05)
+
+
+def test_tp8_70b(model):
+    m70 = RooflineModel(MODELS["llama-3.1-70b"], H200)
+    assert m70.model.tp == 8
+    w = decode(128, 1024, layers=80)
+    t = m70.predict(w, N)
+    assert 1e-3 < t < 50e-3
+    assert m70.breakdown(w, N)["allreduce"] > 0
+    no_ar = RooflineModel(MODELS["llama-3.1-70b"], H200, allreduce_bandwidth=1e30, allreduce_latency=1e-30)
+    assert no_ar.predict(w, N) < t
+    p = prefill(4096, layers=80)
+    menu = np.array(H200.partition_sizes())
+    np.testing.assert_allclose(m70.predict(p, menu), [m70.predict(p, int(n)) for n in menu], rtol=1e-12)
+    steps = m70.decode_steps(w, 10, 64, p, 68)
+    assert steps.shape == (10,) and np.all(np.isfinite(steps)) and np.all(np.diff(steps) >= 0)
+
+
+def test_other_gpus_use_their_own_peaks():
+    w = prefill(4096)
+    h200 = RooflineModel(LLAMA8B, H200).predict(w, N)
+    a100 = RooflineModel(LLAMA8B, GPUS["a100"]).predict(w, GPUS["a100"].num_sms)
+    assert a100 > 2 * h200  # 312 vs ~790 TFLOP/s
+    h100 = RooflineModel(LLAMA8B, GPUS["h100"]).predict(DECODE_CAL, N)
+    assert h100 > RooflineModel(LLAMA8B, H200).predict(DECODE_CAL, N)  # 3.35 vs 4.8 TB/s
+
+
+def test_bad_input_is_named():
+    m = RooflineModel(LLAMA8B, H200)
+    with pytest.raises(ValueError, match="num_sms"):
+        m.predict(DECODE_CAL, 0)
+    with pytest.raises(ValueError, match="num_sms"):
+        m.predict(DECODE_CAL, np.array([8, N + 1]))
+    with pytest.raises(TypeError, match="bogus"):
+        RooflineModel(LLAMA8B, H200, bogus=1.0)
+    with pytest.raises(ValueError, match="kernel_overhead"):
+        RooflineModel(LLAMA8B, H200, kernel_overhead=-1.0)
+
+
+def test_sampling_and_embedding_add_time(model):
+    bare = Work(32, 64, 64, 64 * 512.0, 64 * 512, 0, False)
+    full = bare._replace(samples=64, embed=True)
+    assert model.predict(full, N) > model.predict(bare, N)
+    assert model.predict(bare._replace(num_layers=4), N) < model.predict(bare, N)
+
+
+def test_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from bullet.perfmodel import RooflineModel\n"
+            "from bullet.config import MODELS, GPUS\n"
+            "from bullet.perfmodel.base import Work\n"
+            "print(RooflineModel(MODELS['llama-3.1-8b'], GPUS['h200']).predict(Work(1, 1, 1, 1.0, 1, 0, False), 8))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) > 0
