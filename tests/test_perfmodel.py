@@ -180,6 +180,10 @@ def test_bad_input_is_named():
         m.predict(DECODE_CAL, 0)
     with pytest.raises(ValueError, match="num_sms"):
         m.predict(DECODE_CAL, np.array([8, N + 1]))
+    with pytest.raises(ValueError, match="co_sms"):
+        m.predict(DECODE_CAL, 100, DECODE_CAL, 40)
+    with pytest.raises(ValueError, match="co_sms"):
+        m.predict(DECODE_CAL, np.array([8, 100]), DECODE_CAL, np.array([8, 40]))
     with pytest.raises(TypeError, match="bogus"):
         RooflineModel(LLAMA8B, H200, bogus=1.0)
     with pytest.raises(ValueError, match="kernel_overhead"):

@@ -296,6 +296,8 @@ class RooflineModel:
             return 1.0, (self.inv_bw[n] if arr else self._inv_bw_list[n])
         c = self.constants
         if scalar_co:
+            if not 0 <= co_sms <= self.num_sms - (n if not arr else n.max(initial=0)):
+                raise ValueError(f"co_sms={co_sms!r} with num_sms={n!r} exceeds the GPU's {self.num_sms} SMs")
             key = (co, int(co_sms))
             u = self._demand.get(key)
             if u is None:
@@ -304,8 +306,8 @@ class RooflineModel:
             co_n = np.asarray(co_sms, dtype=np.intp)
             if not arr or co_n.shape != n.shape:
                 raise ValueError("an array co_sms needs an array num_sms of the same shape")
-            if co_n.size and (co_n.min() < 0 or co_n.max() > self.num_sms):
-                raise ValueError(f"co_sms must be in 0..{self.num_sms}, got {co_sms!r}")
+            if co_n.size and (co_n.min() < 0 or (co_n + n).max() > self.num_sms):
+                raise ValueError(f"co_sms={co_sms!r} with num_sms={n!r} exceeds the GPU's {self.num_sms} SMs")
             key = (co, -1)
             table = self._demand.get(key)
             if table is None:
