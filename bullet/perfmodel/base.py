@@ -26,17 +26,17 @@ class Work(NamedTuple):
 
 
 def work_of(batch: Batch, total_layers: int) -> Work:
-    tokens = seqs = kv = samples = 0
-    pairs = 0.0
-    for c in batch.chunks:
-        n = c.num_tokens
-        tokens += n
-        seqs += 1
-        kv += c.start + n
-        pairs += n * c.start + n * (n + 1) / 2
-        samples += c.sample
+    chunks = batch.chunks
+    seqs = len(chunks)
+    _, starts, lens, _, sample, _, _ = zip(*chunks) if chunks else ((),) * 7
+    tokens = sum(lens)
+    kv = sum(starts) + tokens
+    if tokens == seqs:  # one token each (decode)
+        pairs = float(kv)
+    else:
+        pairs = float(sum(n * s + n * (n + 1) / 2 for s, n in zip(starts, lens)))
     last = batch.layers.stop == total_layers
-    return Work(len(batch.layers), tokens, seqs, pairs, kv, samples if last else 0, batch.layers.start == 0)
+    return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0)
 
 
 class LatencyModel(Protocol):
@@ -49,3 +49,24 @@ class LatencyModel(Protocol):
                      co_sms: int = 0) -> np.ndarray:
         """Seconds of each of ``steps`` fused decode steps; every sequence grows by one token a step,
         so step i reads ``work.kv_read + i * work.seqs`` KV tokens."""
+
+
+class CachedDecodeSteps:
+    """Wraps a LatencyModel so that asking again for a prefix of the last fused decode stretch is free:
+    the policy sizes a stretch with ``decode_steps(work, k_max)``, the simulator then times ``k <= k_max``
+    steps of the same work."""
+
+    def __init__(self, model: LatencyModel) -> None:
+        self.model = model
+        self._key: tuple | None = None
+        self._steps = np.zeros(0)
+
+    def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
+        return self.model.predict(work, num_sms, co, co_sms)
+
+    def decode_steps(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
+                     co_sms: int = 0) -> np.ndarray:
+        key = (work, num_sms, co, co_sms)
+        if key != self._key or steps > len(self._steps):
+            self._key, self._steps = key, self.model.decode_steps(work, steps, num_sms, co, co_sms)
+        return self._steps[:steps]

@@ -1,0 +1,184 @@
+"""``bullet``: the command line. Each command turns flags into configs and calls the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import (POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu,
+                     resolve_model)
+
+app = typer.Typer(help="bullet: LLM serving with prefill and decode on disjoint SM partitions, and the "
+                       "simulator that plans it.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+
+
+def _register_subcommands() -> None:
+    from .cli_trace import trace_app
+
+    app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
+
+
+_register_subcommands()
+
+Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
+
+
+class Arrival(str, Enum):
+    poisson = "poisson"
+    gamma = "gamma"
+    constant = "constant"
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(2)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value / 1e3
+
+
+@app.command()
+def simulate(
+    trace: Annotated[str, typer.Option(help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) "
+                                            "or a bundled trace name: sharegpt, azure-code, arxiv.")] = "sharegpt",
+    trace_format: Annotated[Optional[str], typer.Option("--format", help="Trace format if detection from "
+                                                        "the header is not wanted: azure, vidur, mooncake, "
+                                                        "lengths.")] = None,
+    policy: Annotated[Policy, typer.Option(help="Scheduling policy.")] = Policy.chunked,
+    model: Annotated[str, typer.Option(help="Model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
+                                            "qwen3-8b) or a Hugging Face config.json / model folder.")]
+    = "llama-3.1-8b",
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel degree (shapes per GPU); default: "
+                                                   "the preset's.")] = None,
+    gpu: Annotated[str, typer.Option(help="GPU preset: h200, h100, a100.")] = "h200",
+    rate: Annotated[Optional[float], typer.Option(help="Request rate (req/s): rescales a timed trace's "
+                                                       "arrivals, or generates arrivals for a length-only "
+                                                       "one. Default: the trace's own timing.")] = None,
+    arrival: Annotated[Arrival, typer.Option(help="Arrival process when arrivals are generated.")]
+    = Arrival.poisson,
+    cv: Annotated[float, typer.Option(help="Coefficient of variation of inter-arrival times (gamma).")] = 1.0,
+    num_requests: Annotated[Optional[int], typer.Option(help="Use the first N requests of the trace.")]
+    = None,
+    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in ms.")] = 3000.0,
+    slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
+    slo_ttft_per_token: Annotated[Optional[float], typer.Option(
+        help="TTFT SLO in ms per prompt token (Bullet paper: ShareGPT 3.0, Azure-Code 1.5, arXiv 1.5); "
+             "overrides --slo-ttft.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
+    max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step: the chunk size of "
+                                                         "chunked prefill / prefill-first.")] = 8192,
+    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition (a "
+                                                  "multiple of the GPU's granule); decode gets the rest.")]
+    = 96,
+    layers_per_step: Annotated[Optional[int], typer.Option(help="Split policies: prefill layers per "
+                                                               "launch (default: all).")] = None,
+    block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
+    num_blocks: Annotated[Optional[int], typer.Option(help="KV cache blocks (default: sized from GPU "
+                                                           "memory).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, "
+                                                               "activations and KV cache.")] = 0.9,
+    seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).")] = 0,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
+                                                     "and timeline.csv.")] = None,
+    parquet: Annotated[bool, typer.Option(help="Write requests.parquet instead of requests.csv.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress "
+                                                         "goes to stderr).")] = False,
+) -> None:
+    """Simulate serving a trace on a virtual GPU and print latency, throughput and SLO attainment."""
+    from .traces import TraceError, load_trace
+
+    from simulator import simulate as run_simulation
+
+    try:
+        model_spec = resolve_model(model, tp)
+        gpu_spec = resolve_gpu(gpu)
+        sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
+                                max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
+                                layers_per_step=layers_per_step)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                            gpu_memory_utilization=gpu_memory_utilization)
+        slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
+        requests = load_trace(trace, trace_format, num_requests=num_requests, rate=rate,
+                              arrival_process=arrival.value, cv=cv, seed=seed)
+    except (ConfigError, TraceError) as e:
+        raise _fail(str(e)) from None
+    console = Console(stderr=as_json)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("", total=len(requests))
+        step = max(1, len(requests) // 200)
+        count = 0
+
+        def advance(_req) -> None:
+            nonlocal count
+            count += 1
+            if count % step == 0:
+                bar.update(task, completed=count)
+
+        try:
+            result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo, on_finish=advance)
+        except (ConfigError, RuntimeError) as e:
+            raise _fail(str(e)) from None
+    summary = result.summary
+    summary["trace"] = trace
+    if out is not None:
+        from .metrics import write_json, write_requests
+
+        write_json(summary, out / "summary.json")
+        write_requests(result.columns, out / ("requests.parquet" if parquet else "requests.csv"))
+        result.timeline.write_csv(out / "timeline.csv")
+    if as_json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_summary(summary, console)
+        if out is not None:
+            console.print(f"wrote {out}/summary.json, requests.{'parquet' if parquet else 'csv'}, timeline.csv")
+
+
+def print_summary(s: dict, console: Console) -> None:
+    slo = s["slo"]
+    ttft_slo = (f"{slo['ttft_per_token_ms']:g} ms/token" if slo["ttft_per_token_ms"] is not None
+                else f"{slo['ttft_ms']:g} ms")
+    title = (f"{s['policy']} · {s['model']} on {s['gpu']} · {s['requests']} requests · "
+             f"{s['duration_s']:.1f} s simulated in {s['sim_wall_s']:.2f} s")
+    lat = Table(title=title, title_justify="left")
+    lat.add_column("latency (ms)")
+    for col in ("mean", "p50", "p90", "p99"):
+        lat.add_column(col, justify="right")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        row = s[f"{name}_ms"]
+        lat.add_row(name.upper(), *(f"{row[c]:.1f}" for c in ("mean", "p50", "p90", "p99")))
+    console.print(lat)
+    tput = Table(show_header=False)
+    tput.add_column(justify="left")
+    tput.add_column(justify="right")
+    tput.add_row("request throughput", f"{s['request_throughput']:.2f} req/s")
+    tput.add_row("output token throughput", f"{s['output_throughput']:.0f} tok/s")
+    tput.add_row("total token throughput", f"{s['total_token_throughput']:.0f} tok/s")
+    tput.add_row(f"SLO attainment (TTFT {ttft_slo}, TPOT {slo['tpot_ms']:g} ms)",
+                 f"{100 * s['slo_attainment']:.1f} %")
+    tput.add_row("goodput", f"{s['goodput']:.2f} req/s")
+    tput.add_row("preemptions", str(s["preemptions"]))
+    for lane, busy in s.get("lane_busy_s", {}).items():
+        tput.add_row(f"GPU busy, {lane} lane", f"{busy:.1f} s ({100 * s['lane_busy_frac'][lane]:.0f} %)")
+    console.print(tput)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

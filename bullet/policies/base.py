@@ -1,0 +1,247 @@
+"""State every policy shares: queues, the KV block manager, results coming back, preemption, and the
+sizing of fused decode stretches. A policy subclasses :class:`Scheduler` and writes ``schedule``.
+
+The scheduler returns plans (:class:`~bullet.batch.Batch`) and changes request state only when results
+come back (``on_result``), so the same code drives the simulator and the GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from ..batch import Batch, Chunk, Lane, Partition, StepResult
+from ..config import GpuSpec, ModelSpec, SchedulerConfig
+from ..kvcache import BlockManager
+from ..perfmodel import LatencyModel, Work
+from ..request import Request
+
+
+class SchedulingError(RuntimeError):
+    pass
+
+
+class Scheduler:
+    lanes: tuple[Lane, ...] = ("all",)
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
+                 latency: LatencyModel, eos_token_id: int | None = None) -> None:
+        self.model = model
+        self.gpu = gpu
+        self.cfg = cfg
+        self.kv = kv
+        self.latency = latency
+        self.eos_token_id = eos_token_id
+        self.all_layers = range(model.num_layers)
+        self.whole_gpu = Partition("all", gpu.num_sms)
+        self.waiting: deque[Request] = deque()  # arrived, holding no KV
+        self.running: list[Request] = []  # admitted (hold KV), in admission order
+        self.inflight: dict[Lane, tuple[Batch, list[Request]]] = {}
+        self.busy: set[int] = set()  # ids of requests inside a launched batch
+        self.num_preemptions = 0
+
+    # ---- arrivals and admission -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need = self.kv.blocks_for(req.prompt_len + req.max_new_tokens)
+        if need > self.kv.num_blocks:
+            raise SchedulingError(
+                f"request {req.id} needs {req.prompt_len + req.max_new_tokens} tokens of KV "
+                f"({need} blocks) but the whole cache holds {self.kv.num_blocks} blocks")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
+        """The next launch on ``lane`` (idle now), or None. ``horizon``: the next time something
+        outside the scheduler happens (an arrival); fused decode stretches end there."""
+        raise NotImplementedError
+
+    def _launch(self, lane: Lane, batch: Batch, reqs: list[Request]) -> Batch:
+        self.inflight[lane] = (batch, reqs)
+        self.busy.update(r.id for r in reqs)
+        return batch
+
+    # ---- KV and preemption ------------------------------------------------------------------------
+    def _reserve(self, req: Request, num_tokens: int, protect: Request | None = None) -> bool:
+        """Make ``req`` hold ``num_tokens`` tokens, preempting idle running requests (newest first)
+        if the pool is short. False if even that cannot make room (``req`` itself is not preempted)."""
+        kv = self.kv
+        need = kv.extra_blocks(req.id, num_tokens)
+        while need > kv.num_free:
+            victim = next((r for r in reversed(self.running)
+                           if r.id not in self.busy and r is not req and r is not protect), None)
+            if victim is None:
+                return False
+            self.preempt(victim)
+        kv.allocate(req.id, num_tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Drop ``req``'s KV; it goes back to the front of the queue and recomputes what it knows."""
+        self.kv.free(req.id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.popleft()
+        self.running.append(req)
+
+    def admissible(self) -> bool:
+        """The head of the queue could start a prefill now (seat and first block free)."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs and self.kv.num_free > 0
+
+    # ---- chunks ------------------------------------------------------------------------------------
+    def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
+        n = min(req.remaining, budget)
+        start = req.num_computed
+        ids = None
+        if req.prompt_ids is not None:
+            known = req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids)
+            ids = known[start:start + n]
+        return Chunk(req.id, start, n, self.kv.tables[req.id], start + n == req.known, ids, req.sampling)
+
+    def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
+        """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
+        the queue in order. Returns the budget left."""
+        for r in self.running:
+            if budget <= 0:
+                return budget
+            if r.id in self.busy or r.is_decoding or r.remaining <= 0:
+                continue
+            n = min(r.remaining, budget)
+            if not self._reserve(r, r.num_computed + n):
+                continue
+            chunks.append(self._prefill_chunk(r, n))
+            reqs.append(r)
+            self.busy.add(r.id)  # protects it from preemption while the batch is built
+            budget -= n
+        while budget > 0 and self.admissible():
+            r = self.waiting[0]
+            n = min(r.remaining, budget)
+            if self.kv.extra_blocks(r.id, r.num_computed + n) > self.kv.num_free:
+                break  # no preemption to admit new work: new requests wait for free blocks
+            self._admit(r)
+            self.kv.allocate(r.id, r.num_computed + n)
+            chunks.append(self._prefill_chunk(r, n))
+            reqs.append(r)
+            self.busy.add(r.id)
+            budget -= n
+        return budget
+
+    def arrival_horizon(self, horizon: float | None) -> float | None:
+        """An arrival changes the plan only if it could be admitted: nobody is queued ahead of it (a
+        queued request that cannot start now cannot start then either) and a seat is free."""
+        if self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return None
+        return horizon
+
+    def _decoders(self) -> list[Request]:
+        busy = self.busy
+        return [r for r in self.running if r.id not in busy and r.is_decoding]
+
+    def _decode_batch(self, lane: Lane, partition: Partition, reqs: list[Request], now: float,
+                      horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch | None:
+        """Decode every request in ``reqs`` (growing KV, preempting if short), fused over as many steps
+        as fit before ``horizon``, the first completion, the KV pool and ``max_decode_steps``.
+
+        The hot path of a simulation: plain Python over the (usually few) requests beats numpy here."""
+        kv, bs = self.kv, self.kv.block_size
+        tables = kv.tables
+        need1 = kv_sum = 0
+        left = self.cfg.max_decode_steps
+        for r in reqs:
+            c = r.num_computed
+            need1 += c >= len(tables[r.id]) * bs
+            kv_sum += c
+            left = min(left, r.max_new_tokens - r.num_output)
+        if need1 > kv.num_free:  # rare: make room for one step by preempting
+            reqs = self._make_room(reqs)
+            if not reqs:
+                return None
+            kv_sum = sum(r.num_computed for r in reqs)
+            left = min(self.cfg.max_decode_steps, min(r.max_new_tokens - r.num_output for r in reqs))
+        steps = left
+        if steps > 1:
+            steps = self._kv_steps(reqs, steps)
+        if steps > 1 and horizon is not None:
+            n = len(reqs)
+            work = Work(self.model.num_layers, n, n, float(kv_sum + n), kv_sum + n, n, True)
+            cum = np.cumsum(self.latency.decode_steps(work, steps, partition.num_sms, co, co_sms))
+            steps = max(1, min(steps, int(np.searchsorted(cum, horizon - now, side="right"))))
+        for r in reqs:
+            if r.num_computed + steps > len(tables[r.id]) * bs:
+                kv.allocate(r.id, r.num_computed + steps)
+        chunks = tuple(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs)
+        return self._launch(lane, Batch(partition, self.all_layers, chunks, steps), reqs)
+
+    def _make_room(self, reqs: list[Request]) -> list[Request]:
+        """Reserve one step of KV for each request, preempting the newest idle ones when short."""
+        for r in list(reqs):
+            if r.num_computed and not self._reserve(r, r.num_computed + 1):
+                self.preempt(r)
+        return [r for r in reqs if r.num_computed > 0]
+
+    def _kv_steps(self, reqs: list[Request], steps: int) -> int:
+        """The most fused steps (<= ``steps``) whose KV growth fits in the free blocks (one step is known
+        to fit)."""
+        bs, free, tables = self.kv.block_size, self.kv.num_free, self.kv.tables
+        spare = [len(tables[r.id]) * bs - r.num_computed for r in reqs]  # tokens that fit in held blocks
+
+        def need(k: int) -> int:
+            return sum(-(-(k - s) // bs) for s in spare if k > s)
+
+        if need(steps) <= free:
+            return steps
+        lo, hi = 1, steps  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
+
+    # ---- results -----------------------------------------------------------------------------------
+    def on_result(self, res: StepResult) -> list[Request]:
+        """Apply a finished launch; returns the requests it finished."""
+        batch, reqs = self.inflight.pop(res.batch.lane)
+        if batch.layers.stop != self.model.num_layers:
+            self._slice_done(batch, reqs)
+            return []
+        steps = batch.steps
+        tokens = res.tokens
+        done: list[Request] = []
+        for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
+            self.busy.discard(r.id)
+            r.num_computed = c.start + c.num_tokens + steps - 1
+            if not c.sample:
+                continue
+            n_new, eos = steps, False
+            if tokens is not None:
+                new = [int(t) for t in tokens[:, j]]
+                if not r.sampling.ignore_eos and self.eos_token_id in new:
+                    new = new[:new.index(self.eos_token_id) + 1]
+                    n_new, eos = len(new), True
+                r.output_ids.extend(new)
+            if steps == 1:
+                r.token_times.append(res.end)
+            else:
+                r.token_times.append(res.step_ends[:n_new] if eos else res.step_ends)
+            if r.first_token_time is None:
+                r.first_token_time = res.step_ends[0]
+            r.num_output += n_new
+            if eos or r.num_output >= r.max_new_tokens:
+                self._finish(r, res.step_ends[n_new - 1])
+                done.append(r)
+        return done
+
+    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
+        """A layer slice of a prefill finished; policies with layer-granular prefill override this."""
+        raise SchedulingError("a partial layer slice came back to a policy that never launches one")
+
+    def _finish(self, r: Request, now: float) -> None:
+        r.finish_time = now
+        self.kv.free(r.id)
+        self.running.remove(r)

@@ -1,0 +1,70 @@
+"""Prefill and decode run concurrently on a fixed pair of disjoint SM partitions (e.g. 96/36). Prefill
+advances ``layers_per_step`` layers per launch (all of them by default); decode steps run on the rest."""
+
+from __future__ import annotations
+
+from ..batch import Batch, Chunk, Lane, Partition
+from ..config import ConfigError
+from ..perfmodel import work_of
+from ..request import Request
+from .base import Scheduler
+
+
+class StaticSplit(Scheduler):
+    lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill is planned first: decode sizes to it
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_part, self.decode_part = self._partitions()
+        self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # chunks, reqs, next layer
+        self.prefill_until = 0.0  # predicted end of the prefill launch in flight
+
+    def _partitions(self) -> tuple[Partition, Partition]:
+        p, gpu = self.cfg.prefill_sms, self.gpu
+        if p % gpu.sm_granule or not 0 < p < gpu.num_sms:
+            raise ConfigError(f"prefill_sms={p} must be a multiple of {gpu.name}'s {gpu.sm_granule}-SM granule "
+                              f"between {gpu.sm_granule} and {gpu.num_sms - gpu.sm_granule}")
+        return Partition("prefill", p), Partition("decode", gpu.num_sms - p)
+
+    def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
+        return self._schedule_prefill(now) if lane == "prefill" else self._schedule_decode(now, horizon)
+
+    def _schedule_prefill(self, now: float) -> Batch | None:
+        if self.job is None:
+            chunks: list[Chunk] = []
+            reqs: list[Request] = []
+            self._take_prefills(self.cfg.max_batched_tokens, chunks, reqs)
+            if not chunks:
+                return None
+            self.job = (tuple(chunks), reqs, 0)
+        chunks, reqs, first = self.job
+        step = self.cfg.layers_per_step or self.model.num_layers
+        batch = Batch(self.prefill_part, range(first, min(first + step, self.model.num_layers)), chunks)
+        decode = self.inflight.get("decode")
+        co = work_of(decode[0], self.model.num_layers) if decode else None
+        work = work_of(batch, self.model.num_layers)
+        self.prefill_until = now + float(self.latency.predict(work, self.prefill_part.num_sms, co,
+                                                              self.decode_part.num_sms))
+        return self._launch("prefill", batch, reqs)
+
+    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
+        chunks, reqs, _ = self.job
+        self.job = (chunks, reqs, batch.layers.stop)
+
+    def on_result(self, res):
+        done = super().on_result(res)
+        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
+            self.job = None
+        return done
+
+    def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
+        decoders = self._decoders()
+        if not decoders:
+            return None
+        prefill = self.inflight.get("prefill")
+        if prefill:  # new decoders join when the prefill launch in flight ends
+            until, co = self.prefill_until, work_of(prefill[0], self.model.num_layers)
+        else:
+            until, co = self.arrival_horizon(horizon), None
+        return self._decode_batch("decode", self.decode_part, decoders, now, until, co,
+                                  self.prefill_part.num_sms)

@@ -1,0 +1,115 @@
+"""SimExecutor: the Executor protocol on a simpy clock. A launch ends at ``now + predicted time``, where
+the prediction accounts for what co-runs on the other lane; when the co-runner changes mid-flight, the
+remaining work is re-timed at the new rate (progress is conserved), so contention is modelled both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from bullet.batch import Batch, Lane, StepResult
+from bullet.perfmodel import LatencyModel, Work, work_of
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    batch: Batch
+    work: Work
+    start: float
+    fracs: np.ndarray | None  # cumulative fraction of the work at each fused step's end
+    duration: float = 0.0  # at the current rate
+    progress: float = 0.0  # fraction done at ``mark``
+    mark: float = 0.0
+    end: float = 0.0
+    token: int = 0
+    timer: simpy.Event | None = None
+    knots: list[tuple[float, float]] = field(default_factory=list)  # (time, progress) where rate changed
+
+
+class SimExecutor:
+    def __init__(self, latency: LatencyModel, num_layers: int) -> None:
+        self.env = simpy.Environment()
+        self.latency = latency
+        self.num_layers = num_layers
+        self._flights: dict[Lane, _Flight] = {}
+        self._done: list[StepResult] = []
+        self._tokens = 0
+
+    def now(self) -> float:
+        return self.env.now
+
+    def busy(self, lane: Lane) -> bool:
+        return lane in self._flights
+
+    def launch(self, batch: Batch) -> None:
+        lane = batch.partition.lane
+        if lane in self._flights:
+            raise RuntimeError(f"lane {lane!r} already has a batch in flight")
+        now = self.env.now
+        work = work_of(batch, self.num_layers)
+        self._flights[lane] = _Flight(batch, work, now, None, mark=now)
+        self._retime(now)
+
+    def _co(self, f: _Flight) -> tuple[Work | None, int]:
+        for other in self._flights.values():
+            if other is not f:
+                return other.work, other.batch.partition.num_sms
+        return None, 0
+
+    def _retime(self, now: float) -> None:
+        """(Re)compute every flight's end for the current set of co-runners."""
+        for lane, f in self._flights.items():
+            co, co_sms = self._co(f)
+            sms = f.batch.partition.num_sms
+            if f.batch.steps > 1:
+                per_step = self.latency.decode_steps(f.work, f.batch.steps, sms, co, co_sms)
+                duration = float(per_step.sum())
+                if f.fracs is None:
+                    f.fracs = np.cumsum(per_step) / duration
+            else:
+                duration = float(self.latency.predict(f.work, sms, co, co_sms))
+            if f.duration:  # already running: conserve progress, change rate
+                f.progress = min(1.0, f.progress + (now - f.mark) / f.duration)
+                f.knots.append((now, f.progress))
+            f.mark, f.duration = now, duration
+            end = now + (1.0 - f.progress) * duration
+            if end != f.end or not f.token:
+                self._tokens += 1
+                f.end, f.token = end, self._tokens
+                f.timer = self.env.timeout(end - now)
+                f.timer.callbacks.append(lambda _e, lane=lane, token=f.token: self._finish(lane, token))
+
+    def _finish(self, lane: Lane, token: int) -> None:
+        f = self._flights.get(lane)
+        if f is None or f.token != token:
+            return  # re-timed since: a stale timer
+        del self._flights[lane]
+        end = self.env.now
+        if f.fracs is None:
+            step_ends = (end,)
+        elif not f.knots:
+            step_ends = f.start + f.fracs * (end - f.start)
+        else:
+            ts = [f.start] + [t for t, _ in f.knots] + [end]
+            ps = [0.0] + [p for _, p in f.knots] + [1.0]
+            step_ends = np.interp(f.fracs, ps, ts)
+            step_ends[-1] = end
+        self._done.append(StepResult(f.batch, f.start, end, step_ends, None))
+        if self._flights:
+            self._retime(end)
+
+    def wait(self, until: float | None) -> list[StepResult]:
+        if not self._done:
+            env = self.env
+            first = min(self._flights.values(), key=lambda f: f.end, default=None)
+            if first is not None and (until is None or first.end <= until):
+                timer = first.timer
+                while not timer.processed:  # step the event queue until that finish has run
+                    env.step()
+            elif until is not None and until > env.now:
+                env.run(until=until)  # stops before anything scheduled at ``until``
+        done, self._done = self._done, []
+        return done

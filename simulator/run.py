@@ -1,0 +1,55 @@
+"""``simulate()``: requests + configuration -> finished requests, summary and timeline, on a virtual GPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bullet.config import CacheConfig, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
+from bullet.engine import serve
+from bullet.kvcache import BlockManager
+from bullet.metrics import Timeline, request_columns, summarize
+from bullet.perfmodel import LatencyModel
+from bullet.perfmodel.base import CachedDecodeSteps
+from bullet.policies import make_scheduler
+from bullet.request import Request
+
+from .executor import SimExecutor
+
+
+@dataclass
+class SimulationResult:
+    requests: list[Request]
+    columns: dict[str, np.ndarray]
+    summary: dict
+    timeline: Timeline
+    wall_s: float
+
+
+def default_latency_model(model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
+    from bullet.perfmodel.roofline import RooflineModel
+
+    return RooflineModel(model, gpu)
+
+
+def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched: SchedulerConfig,
+             cache: CacheConfig = CacheConfig(), slo: SloConfig = SloConfig(),
+             latency: LatencyModel | None = None,
+             on_finish: Callable[[Request], None] | None = None) -> SimulationResult:
+    t0 = time.perf_counter()
+    latency = CachedDecodeSteps(latency or default_latency_model(model, gpu))
+    kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size)
+    scheduler = make_scheduler(sched, model, gpu, kv, latency)
+    timeline = Timeline()
+    done = serve(requests, scheduler, SimExecutor(latency, model.num_layers), on_step=timeline.on_step,
+                 on_finish=on_finish)
+    cols = request_columns(done, slo)
+    summary = summarize(done, slo, timeline.busy, cols)
+    summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, kv_blocks=kv.num_blocks,
+                   block_size=kv.block_size, launches=len(timeline.rows))
+    wall = time.perf_counter() - t0
+    summary["sim_wall_s"] = wall
+    return SimulationResult(done, cols, summary, timeline, wall)

@@ -1,0 +1,216 @@
+"""Policies on the shared core, driven by serve() on the simulator: token conservation and order, the
+token budget, KV capacity, progress under KV pressure, determinism, queueing sanity."""
+
+import math
+
+import numpy as np
+import pytest
+
+from bullet.batch import StepResult
+from bullet.config import GPUS, MODELS, CacheConfig, SchedulerConfig, SloConfig
+from bullet.engine import serve
+from bullet.kvcache import BlockManager
+from bullet.policies import make_scheduler
+from bullet.request import Request
+from simulator import SimExecutor, simulate
+from tests.latency import LinearLatency
+
+MODEL = MODELS["llama-3.1-8b"]
+GPU = GPUS["h200"]
+POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent"]
+
+
+class EchoExecutor(SimExecutor):
+    """The simulator, plus token ids: the id sampled at position p is p, so order is checkable."""
+
+    def wait(self, until):
+        out = []
+        for res in super().wait(until):
+            toks = np.full((res.batch.steps, len(res.batch.chunks)), -1, np.int64)
+            for j, c in enumerate(res.batch.chunks):
+                if c.sample:
+                    toks[:, j] = c.start + c.num_tokens + np.arange(res.batch.steps)
+            out.append(StepResult(res.batch, res.start, res.end, res.step_ends, toks))
+        return out
+
+
+def make_requests(n, seed=0, rate=20.0, prompt=(16, 3000), output=(1, 300)):
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    return [Request(i, float(t[i]), int(rng.integers(*prompt)), int(rng.integers(*output))) for i in range(n)]
+
+
+def run(policy, reqs, num_blocks=None, checks=None, **cfg):
+    sched_cfg = SchedulerConfig(policy=policy, **cfg)
+    lat = LinearLatency(MODEL.num_layers)
+    kv = BlockManager(num_blocks or CacheConfig().blocks_for(MODEL, GPU), 16)
+    sched = make_scheduler(sched_cfg, MODEL, GPU, kv, lat)
+    ex = EchoExecutor(lat, MODEL.num_layers)
+    steps = []
+
+    def on_step(res):
+        steps.append(res)
+        kv.check()
+        if checks:
+            checks(res, sched)
+
+    done = serve(reqs, sched, ex, on_step=on_step)
+    return done, steps, sched
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_conserves_tokens_in_order(policy):
+    reqs = make_requests(200, seed=1)
+    done, steps, sched = run(policy, reqs, layers_per_step=8 if "split" in policy else None)
+    assert len(done) == len(reqs)
+    for r in done:
+        assert r.num_output == r.max_new_tokens
+        assert r.output_ids == list(range(r.prompt_len, r.prompt_len + r.max_new_tokens))
+        times = np.hstack(r.token_times)
+        assert len(times) == r.max_new_tokens
+        assert np.all(np.diff(times) >= 0) and times[0] >= r.arrival
+        assert r.finish_time == pytest.approx(times[-1])
+    assert sched.kv.num_free == sched.kv.num_blocks  # everything returned
+    assert not sched.running and not sched.waiting
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("budget", [512, 2048])
+def test_respects_token_budget(policy, budget):
+    reqs = make_requests(80, seed=2)
+
+    def check(res, sched):
+        assert res.batch.num_tokens <= budget
+        assert len(res.batch.chunks) <= sched.cfg.max_num_seqs
+
+    done, steps, _ = run(policy, reqs, checks=check, max_batched_tokens=budget, max_num_seqs=32)
+    assert len(done) == 80
+    assert max(s.batch.num_tokens for s in steps) <= budget
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_progress_under_kv_pressure(policy):
+    """A pool of 200 blocks (3,200 tokens) for requests of up to 3,300 tokens: preemption, no deadlock."""
+    reqs = make_requests(60, seed=3, rate=100.0, prompt=(200, 2500), output=(50, 800))
+
+    def check(res, sched):
+        held = sum(len(t) for t in sched.kv.tables.values())
+        assert held <= sched.kv.num_blocks
+        for r in sched.running:  # every running request's table covers what it has computed
+            assert len(sched.kv.tables.get(r.id, ())) * 16 >= r.num_computed
+
+    done, steps, sched = run(policy, reqs, num_blocks=220, checks=check)
+    assert len(done) == 60
+    assert sched.num_preemptions > 0
+    for r in done:
+        assert r.output_ids == list(range(r.prompt_len, r.prompt_len + r.max_new_tokens))
+
+
+def test_oversized_request_is_rejected_with_a_message():
+    reqs = [Request(0, 0.0, 5000, 10)]
+    with pytest.raises(RuntimeError, match="needs 5010 tokens"):
+        run("chunked", reqs, num_blocks=100)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_identical_inputs_identical_results(policy):
+    a = simulate(make_requests(150, seed=4), MODEL, GPU, SchedulerConfig(policy=policy),
+                 latency=LinearLatency(MODEL.num_layers))
+    b = simulate(make_requests(150, seed=4), MODEL, GPU, SchedulerConfig(policy=policy),
+                 latency=LinearLatency(MODEL.num_layers))
+    for k in ("ttft", "tpot", "e2e", "finish"):
+        assert np.array_equal(a.columns[k], b.columns[k], equal_nan=True)
+    assert a.timeline.rows.__len__() == b.timeline.rows.__len__()
+
+
+def test_lone_request_matches_the_latency_model_by_hand():
+    """One request, nothing else: TTFT is one prefill, then each token one decode step of a growing
+    context, all on the whole GPU."""
+    lat = LinearLatency(MODEL.num_layers)
+    req = Request(0, 1.0, 1000, 5)
+    res = simulate([req], MODEL, GPU, SchedulerConfig(policy="chunked"), latency=lat)
+    prefill = lat.base + lat.per_token * 1000 + lat.per_kv * 1000
+    decode = [lat.base + lat.per_token + lat.per_kv * (1000 + i + 1) for i in range(4)]
+    r = res.requests[0]
+    assert r.first_token_time == pytest.approx(1.0 + prefill)
+    assert r.finish_time == pytest.approx(1.0 + prefill + sum(decode))
+    assert res.columns["tpot"][0] == pytest.approx(sum(decode) / 4)
+
+
+def test_fused_stretch_equals_single_steps():
+    """Fusing decode steps between events is only a speed-up: max_decode_steps=1 gives the same times."""
+    reqs = make_requests(120, seed=5)
+    kw = dict(latency=LinearLatency(MODEL.num_layers))
+    fused = simulate(reqs, MODEL, GPU, SchedulerConfig(policy="chunked"), **kw)
+    single = simulate(make_requests(120, seed=5), MODEL, GPU,
+                      SchedulerConfig(policy="chunked", max_decode_steps=1), **kw)
+    assert len(single.timeline.rows) > len(fused.timeline.rows)
+    for k in ("ttft", "e2e"):
+        np.testing.assert_allclose(fused.columns[k], single.columns[k], rtol=1e-9, atol=1e-9)
+
+
+def test_md1_queue_waiting_time_and_utilisation():
+    """One request at a time, identical requests, Poisson arrivals: an M/D/1 queue. Mean wait before
+    service must match Pollaczek-Khinchine, W_q = rho S / (2 (1 - rho)), and busy fraction rho."""
+    lat = LinearLatency(MODEL.num_layers)
+    prompt, out = 500, 20
+    service = (lat.base + lat.per_token * prompt + lat.per_kv * prompt
+               + sum(lat.base + lat.per_token + lat.per_kv * (prompt + i + 1) for i in range(out - 1)))
+    rho = 0.6
+    rng = np.random.default_rng(7)
+    n = 4000
+    t = np.cumsum(rng.exponential(service / rho, n))
+    reqs = [Request(i, float(t[i]), prompt, out) for i in range(n)]
+    res = simulate(reqs, MODEL, GPU, SchedulerConfig(policy="prefill-first", max_num_seqs=1), latency=lat)
+    wait = res.columns["e2e"] - service
+    expected = rho * service / (2 * (1 - rho))
+    assert wait.mean() == pytest.approx(expected, rel=0.1)
+    busy = res.summary["lane_busy_s"]["all"] / res.summary["duration_s"]
+    assert busy == pytest.approx(rho, rel=0.05)
+    # Little's law on the same run: mean number in system (time integral) == arrival rate * mean E2E
+    arrivals, finishes = res.columns["arrival"], res.columns["finish"]
+    span = finishes.max() - arrivals.min()
+    in_system = res.columns["e2e"].sum() / span
+    assert in_system == pytest.approx(n / span * res.columns["e2e"].mean(), rel=1e-9)
+
+
+def test_split_policies_use_their_partitions():
+    reqs = make_requests(50, seed=8)
+    _, steps, _ = run("static-split", reqs, prefill_sms=96, layers_per_step=8)
+    lanes = {(s.batch.partition.lane, s.batch.partition.num_sms) for s in steps}
+    assert lanes == {("prefill", 96), ("decode", 36)}
+    assert {len(s.batch.layers) for s in steps if s.batch.lane == "prefill"} == {8}
+    _, steps, _ = run("naive-concurrent", make_requests(50, seed=8))
+    assert {(s.batch.partition.lane, s.batch.partition.num_sms) for s in steps} == {("prefill", 132),
+                                                                                   ("decode", 132)}
+
+
+def test_split_lanes_overlap_in_time():
+    reqs = make_requests(100, seed=9, rate=50.0)
+    _, steps, _ = run("static-split", reqs)
+    pre = [(s.start, s.end) for s in steps if s.batch.lane == "prefill"]
+    dec = [(s.start, s.end) for s in steps if s.batch.lane == "decode"]
+    overlap = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in pre for b0, b1 in dec)
+    assert overlap > 0
+
+
+def test_bad_static_split_is_a_config_error():
+    from bullet.config import ConfigError
+
+    with pytest.raises(ConfigError, match="granule"):
+        run("static-split", make_requests(2), prefill_sms=100)
+
+
+def test_contention_slows_co_running_lanes():
+    reqs = make_requests(100, seed=10, rate=50.0)
+    cfg = SchedulerConfig(policy="static-split")
+    calm = simulate(reqs, MODEL, GPU, cfg, latency=LinearLatency(MODEL.num_layers, contention=1.0))
+    busy = simulate(make_requests(100, seed=10, rate=50.0), MODEL, GPU, cfg,
+                    latency=LinearLatency(MODEL.num_layers, contention=1.3))
+    assert busy.columns["e2e"].mean() > calm.columns["e2e"].mean()
+
+
+def test_slo_config_per_token():
+    slo = SloConfig(ttft=None, tpot=0.1, ttft_per_token=0.001)
+    assert slo.ttft_target(500) == pytest.approx(0.5)
+    assert math.isclose(SloConfig().ttft_target(10), 3.0)
