@@ -1,0 +1,446 @@
+"""GpuExecutor: the real-hardware side of the Executor protocol (bullet/batch.py).
+
+``launch`` enqueues a Batch on its lane's stream: lane "all" on a whole-GPU stream; lanes "prefill" and
+"decode" on the green-context pair of the menu that matches ``batch.partition.num_sms`` (the decode lane
+takes the pair whose decode half has that many SMs, i.e. the complement of the prefill size); a split lane
+asking for the whole GPU (naive concurrency) gets one of two ordinary streams. On device "cpu" everything
+runs eagerly on the host inside ``launch`` (tests and development).
+
+Timing: CUDA events around each launch (and one per fused step). Their times are converted to the
+executor's clock (``time.perf_counter()`` since creation) through a reference event recorded, and waited
+for, at creation: ``t = t_ref + ref.elapsed_time(event)``. They are the GPU's own start/end, not the moment
+the host noticed (which can be later by the polling interval). On the CPU path the host clock is read around
+each step.
+
+Inputs: ``Chunk.token_ids`` where the host has them; otherwise positions before a request's first sampled
+token get deterministic synthetic ids (:func:`synthetic_ids`, seeded by request id and position), the
+position of the last sampled token is fed from a per-request device-side slot (no host round trip), and
+older output positions (recompute after preemption) come from the tokens already read back.
+
+Layer-granular prefill: a launch whose ``layers`` stop short of the last layer keeps its hidden state on the
+executor (one per lane) for the launch that continues it; only the launch that reaches the last layer
+samples. Decode launches whose chunks fit a graph bucket replay decode CUDA graphs (graphs.py) captured on
+the very partition they run on; ``steps > 1`` replays the step graph back to back, each step feeding its
+sampled ids to the next on the device.
+
+The only host sync per launch is the one that reads the sampled tokens (after the end event).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..batch import Batch, Chunk, Lane, StepResult
+from ..config import ModelSpec
+from .attention import build_meta
+from .graphs import DEFAULT_BUCKETS, LaneGraphs
+from .kvcache import PagedKvCache
+from .model import Model
+from .partitions import PartitionMenu, Side
+from .sampling import sample
+from .weights import load_weights
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def synthetic_ids(req_id: int, start: int, n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """Deterministic prompt ids of positions ``[start, start + n)`` of request ``req_id`` (int64)."""
+    pos = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = pos * _MIX + np.uint64((req_id * 1_000_003 + seed * 7919 + 1) & 0xFFFFFFFFFFFF)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(29)
+    return (x % np.uint64(vocab)).astype(np.int64)
+
+
+@dataclass(slots=True)
+class _ReqState:
+    slot: int  # index into the device-side last-token array
+    next_pos: int = -1  # position of the last sampled token (the next decode input), -1: none yet
+    out_start: int | None = None  # position of the first sampled token (== prompt length)
+    outputs: list[int] = field(default_factory=list)  # sampled ids read back, in position order
+
+
+@dataclass(slots=True)
+class _Flight:
+    batch: Batch
+    order: int
+    cols: np.ndarray  # chunk columns (batch order) that sample, matching the device token columns
+    req_ids: tuple[int, ...]  # the sampling chunks' requests (in ``cols`` order)
+    start_ev: object = None
+    step_evs: list = field(default_factory=list)
+    done_ev: object = None
+    host: torch.Tensor | None = None  # pinned (steps, len(cols)) sampled ids
+    times: tuple[float, float, list[float]] | None = None  # CPU path: host start, end, step ends
+    tokens: np.ndarray | None = None  # CPU path
+
+
+@dataclass(slots=True)
+class _Held:
+    """Hidden state of a layer-sliced prefill between launches on one lane."""
+
+    key: tuple
+    stop: int
+    hidden: torch.Tensor
+    stream: object
+    event: object
+
+
+class GpuExecutor:
+    def __init__(self, spec: ModelSpec, weights_source: str = "dummy", device: str | torch.device = "cuda", *,
+                 block_size: int = 16, num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 reserved_bytes: int = 4 << 30, menu: PartitionMenu | None = None, use_graphs: bool = True,
+                 seed: int = 0, dtype: torch.dtype | None = None, weights: dict | None = None,
+                 max_requests: int = 16384, graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 graph_max_context: int = 16384) -> None:
+        self._t0 = time.perf_counter()
+        self.spec = spec
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
+        self.seed = seed
+        self.block_size = block_size
+        if weights is None:
+            weights = load_weights(spec, weights_source, self.device, self.dtype, seed=seed)
+        self.model = Model(spec, weights, self.device, self.dtype)
+        del weights
+        if num_blocks is None:
+            if not self.cuda:
+                raise ValueError("GpuExecutor on the CPU needs num_blocks")
+            num_blocks = PagedKvCache.blocks_for_memory(spec, block_size, gpu_memory_utilization,
+                                                        reserved_bytes, self.device)
+        self.kv = PagedKvCache(spec, num_blocks, block_size, self.device, self.dtype)
+        self.menu = menu
+        if self.cuda and self.menu is None:
+            self.menu = PartitionMenu.create(self.device.index)
+        self.use_graphs = use_graphs and self.cuda
+        self._graph_args = {"buckets": graph_buckets, "max_context": graph_max_context}
+        self._graphs: dict[Lane, LaneGraphs] = {}
+        self._last = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._reqs: dict[int, _ReqState] = {}
+        self._inflight: dict[Lane, _Flight] = {}
+        self._held: dict[Lane, _Held] = {}
+        self._order = 0
+        self._ref = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record(torch.cuda.current_stream(self.device))
+            self._ref.synchronize()
+            self._t_ref = self.now()
+
+    # ------------------------------------------------------------------ protocol
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def busy(self, lane: Lane) -> bool:
+        return lane in self._inflight
+
+    def launch(self, batch: Batch) -> None:
+        lane = batch.lane
+        if lane in self._inflight:
+            raise RuntimeError(f"GpuExecutor.launch: lane {lane!r} already has a batch in flight")
+        if not batch.chunks:
+            raise ValueError("GpuExecutor.launch: empty batch")
+        layers = batch.layers
+        L = self.spec.num_layers
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= L:
+            raise ValueError(f"GpuExecutor.launch: layers {layers} is not a slice of 0..{L}")
+        if batch.steps > 1 and (layers.start, layers.stop) != (0, L):
+            raise ValueError("GpuExecutor.launch: fused decode steps need all layers")
+        self._order += 1
+        if not self.cuda:
+            self._inflight[lane] = self._run_cpu(batch)
+            return
+        side = self._side(batch)
+        with torch.cuda.stream(side.stream):
+            self._inflight[lane] = self._run_cuda(batch, side)
+
+    def wait(self, until: float | None = None) -> list[StepResult]:
+        while True:
+            done = [f for f in self._inflight.values() if f.times is not None or f.done_ev.query()]
+            if done:
+                return [self._finish(f) for f in self._by_end(done)]
+            if not self._inflight:
+                if until is not None:
+                    left = until - self.now()
+                    if left > 0:
+                        time.sleep(left)
+                return []
+            if until is None:
+                min(self._inflight.values(), key=lambda f: f.order).done_ev.synchronize()
+                continue
+            if self.now() >= until:
+                return []
+            time.sleep(min(1e-4, max(0.0, until - self.now())))
+
+    def release(self, req_id: int) -> None:
+        """Forget a finished request: its last-token slot and read-back tokens."""
+        st = self._reqs.pop(req_id, None)
+        if st is not None:
+            self._free_slots.append(st.slot)
+
+    def close(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if self.menu is not None:
+            self.menu.close()
+
+    # ------------------------------------------------------------------ streams
+    def _side(self, batch: Batch) -> Side:
+        if self.menu is None:
+            raise RuntimeError("GpuExecutor: no partition menu on a CUDA device")
+        return self.menu.side(batch.lane, batch.partition.num_sms)
+
+    def graphs(self, lane: Lane) -> LaneGraphs:
+        g = self._graphs.get(lane)
+        if g is None:
+            g = self._graphs[lane] = LaneGraphs(self.model, self.kv, self.device, **self._graph_args)
+        return g
+
+    def capture(self, lane: Lane, num_sms: int, sizes: Sequence[int], greedy: bool = True) -> None:
+        """Capture decode graphs ahead of use for ``lane`` on the partition a batch with ``num_sms`` gets."""
+        side = self.menu.side(lane, num_sms)
+        with torch.cuda.stream(side.stream):
+            for bs in sizes:
+                self.graphs(lane).capture(side, bs, greedy)
+
+    # ------------------------------------------------------------------ inputs
+    def _state(self, req_id: int) -> _ReqState:
+        st = self._reqs.get(req_id)
+        if st is None:
+            if not self._free_slots:
+                raise RuntimeError("GpuExecutor: out of last-token slots (release finished requests)")
+            st = self._reqs[req_id] = _ReqState(self._free_slots.pop())
+        return st
+
+    def _host_inputs(self, chunks: Sequence[Chunk]) -> tuple[np.ndarray, list[int], list[int]]:
+        """Host ids of every row, plus (rows, slots) of the rows fed from the device-side last tokens."""
+        T = sum(c.num_tokens for c in chunks)
+        ids = np.zeros(T, dtype=np.int64)
+        rows: list[int] = []
+        slots: list[int] = []
+        row = 0
+        vocab = self.spec.vocab_size
+        for c in chunks:
+            n = c.num_tokens
+            st = self._state(c.req_id)
+            if c.token_ids is not None:
+                if len(c.token_ids) != n:
+                    raise ValueError(f"request {c.req_id}: chunk has {len(c.token_ids)} ids for {n} tokens")
+                ids[row:row + n] = c.token_ids
+            else:
+                stop = c.start + n
+                prompt_end = stop if st.out_start is None else min(stop, st.out_start)
+                if prompt_end > c.start:
+                    ids[row:row + prompt_end - c.start] = synthetic_ids(c.req_id, c.start, prompt_end - c.start,
+                                                                       vocab, self.seed)
+                for p in range(max(c.start, prompt_end), stop):
+                    k = p - st.out_start
+                    if p == st.next_pos:  # the last sampled token: straight from the device
+                        rows.append(row + p - c.start)
+                        slots.append(st.slot)
+                    elif k < len(st.outputs):  # recompute after preemption: ids read back earlier
+                        ids[row + p - c.start] = st.outputs[k]
+                    else:
+                        raise ValueError(f"request {c.req_id}: no token id for position {p}")
+            row += n
+        return ids, rows, slots
+
+    def _device_ids(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        ids, rows, slots = self._host_inputs(chunks)
+        k = len(rows)
+        host = np.concatenate([ids, np.asarray(rows, np.int64), np.asarray(slots, np.int64)])
+        dev = self._to_device(host)
+        out = dev[:len(ids)]
+        if k:
+            out.index_copy_(0, dev[len(ids):len(ids) + k], self._last.index_select(0, dev[len(ids) + k:]))
+        return out
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _sampling_args(self, chunks: Sequence[Chunk], steps: int):
+        """(greedy, temperature, top_p, seeds, offsets) device tensors for the sampling chunks."""
+        if all(c.sampling.temperature == 0 for c in chunks):
+            return True, None, None, None, None
+        n = len(chunks)
+        temp = np.array([c.sampling.temperature for c in chunks], np.float32)
+        top_p = np.array([c.sampling.top_p for c in chunks], np.float32)
+        seeds = np.array([c.sampling.seed if c.sampling.seed is not None
+                          else (self.seed * 1_000_003 + c.req_id) & 0x7FFFFFFF for c in chunks], np.int64)
+        offsets = np.array([c.start + c.num_tokens for c in chunks], np.int64)  # position sampled
+        f = self._to_device(np.concatenate([temp, top_p]))
+        i = self._to_device(np.concatenate([seeds, offsets]))
+        return False, f[:n], f[n:], i[:n], i[n:]
+
+    # ------------------------------------------------------------------ the step
+    def _order_chunks(self, batch: Batch) -> tuple[list[int], list[Chunk]]:
+        """One-token chunks first (the attention's decode rows), stable otherwise."""
+        perm = sorted(range(len(batch.chunks)), key=lambda j: batch.chunks[j].num_tokens != 1)
+        return perm, [batch.chunks[j] for j in perm]
+
+    def _forward_steps(self, batch: Batch, side: Side | None, record) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the batch (all steps) on the current stream. Returns device tokens (steps, k) for the
+        sampling chunks (None for a partial layer slice) and their batch columns. ``record()`` is called
+        after each step's sampling."""
+        lane, L = batch.lane, self.spec.num_layers
+        perm, chunks = self._order_chunks(batch)
+        key = tuple((c.req_id, c.start, c.num_tokens) for c in chunks)
+        layers = batch.layers
+        if layers.start > 0:
+            held = self._held.get(lane)
+            if held is None or held.key != key or held.stop != layers.start:
+                raise RuntimeError(f"GpuExecutor: lane {lane!r} has no hidden state for {layers} of this batch")
+            x = held.hidden
+            if self.cuda and held.stream is not side.stream:
+                torch.cuda.current_stream(self.device).wait_event(held.event)
+                x.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            self._held.pop(lane, None)
+            x = self._device_ids(chunks)
+        sampling = [j for j, c in enumerate(chunks) if c.sample]
+        cols = [perm[j] for j in sampling]
+        if layers.stop < L:
+            meta = build_meta(chunks, self.block_size, self.device)
+            hidden = self.model.forward(x, layers, meta, self.kv)
+            ev = None
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            self._held[lane] = _Held(key, layers.stop, hidden, side.stream if side else None, ev)
+            record()
+            return None, cols
+        self._held.pop(lane, None)
+        samp = [chunks[j] for j in sampling]
+        steps = batch.steps
+        slots = None
+        if samp:
+            slots = self._to_device(np.array([self._state(c.req_id).slot for c in samp], np.int64))
+        if self._graph_ok(batch, chunks, samp):
+            toks = self._graph_steps(lane, side, chunks, x, steps, record)
+        else:
+            toks = self._eager_steps(chunks, sampling, x, layers, steps, record)
+        if samp:
+            self._last.index_copy_(0, slots, toks[-1])
+            for c in samp:
+                st = self._state(c.req_id)
+                st.next_pos = c.start + c.num_tokens + steps - 1
+                if st.out_start is None:
+                    st.out_start = c.start + c.num_tokens
+        return toks, cols
+
+    def _graph_ok(self, batch: Batch, chunks: Sequence[Chunk], samp: Sequence[Chunk]) -> bool:
+        return (self.use_graphs and len(samp) == len(chunks)
+                and all(c.num_tokens == 1 for c in chunks)
+                and self.graphs(batch.lane).fits(chunks, batch.steps) is not None)
+
+    def _graph_steps(self, lane: Lane, side: Side, chunks, ids, steps: int, record) -> torch.Tensor:
+        lg = self.graphs(lane)
+        bs = lg.fits(chunks, steps)
+        greedy, temp, top_p, seeds, offsets = self._sampling_args(chunks, steps)
+        graph = lg.capture(side, bs, greedy)
+        lg.prepare(chunks, ids, bs, greedy, temp, top_p, seeds, offsets)
+        n = len(chunks)
+        toks = torch.empty((steps, n), dtype=torch.int64, device=self.device)
+        for k in range(steps):
+            graph.replay()
+            toks[k].copy_(lg.out[:n])
+            record()
+        return toks
+
+    def _eager_steps(self, chunks, sampling, x, layers: range, steps: int, record) -> torch.Tensor | None:
+        samp = [chunks[j] for j in sampling]
+        greedy, temp, top_p, seeds, offsets = self._sampling_args(samp, steps)
+        toks = torch.empty((steps, len(samp)), dtype=torch.int64, device=self.device) if samp else None
+        for k in range(steps):
+            cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]
+            meta = build_meta(cur, self.block_size, self.device)
+            hidden = self.model.forward(x, layers, meta, self.kv)  # steps > 1: layers are all layers
+            if samp:
+                logits = self.model.logits(hidden, meta.sample_rows)
+                if greedy:
+                    tok = logits.argmax(dim=-1)
+                else:
+                    tok = sample(logits, temp, top_p, seeds, offsets + k)
+                toks[k].copy_(tok)
+                x = tok  # fused steps: every chunk is a one-token sampling chunk
+            record()
+        return toks
+
+    # ------------------------------------------------------------------ CUDA and CPU launches
+    def _run_cuda(self, batch: Batch, side: Side) -> _Flight:
+        f = self._new_flight(batch)
+        f.start_ev = torch.cuda.Event(enable_timing=True)
+        f.start_ev.record()
+
+        def record():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            f.step_evs.append(ev)
+
+        toks, cols = self._forward_steps(batch, side, record)
+        self._set_cols(f, batch, cols)
+        if toks is not None and toks.numel():
+            f.host = torch.empty(toks.shape, dtype=torch.int64, pin_memory=True)
+            f.host.copy_(toks, non_blocking=True)
+        f.done_ev = torch.cuda.Event()
+        f.done_ev.record()
+        return f
+
+    def _run_cpu(self, batch: Batch) -> _Flight:
+        f = self._new_flight(batch)
+        start = self.now()
+        ends: list[float] = []
+        toks, cols = self._forward_steps(batch, None, lambda: ends.append(self.now()))
+        self._set_cols(f, batch, cols)
+        f.times = (start, ends[-1], ends)
+        f.tokens = None if toks is None else toks.numpy().copy()
+        return f
+
+    def _new_flight(self, batch: Batch) -> _Flight:
+        return _Flight(batch, self._order, np.zeros(0, np.int64), ())
+
+    def _set_cols(self, f: _Flight, batch: Batch, cols: list[int]) -> None:
+        f.cols = np.asarray(cols, np.int64)
+        f.req_ids = tuple(batch.chunks[j].req_id for j in cols)
+
+    def _ev_time(self, ev) -> float:
+        return self._t_ref + self._ref.elapsed_time(ev) / 1e3
+
+    def _by_end(self, flights: list[_Flight]) -> list[_Flight]:
+        def end(f: _Flight) -> float:
+            return f.times[1] if f.times is not None else self._ev_time(f.step_evs[-1])
+        return sorted(flights, key=end)
+
+    def _finish(self, f: _Flight) -> StepResult:
+        batch = f.batch
+        del self._inflight[batch.lane]
+        if f.times is not None:
+            start, end, ends = f.times
+            dev = f.tokens
+        else:
+            start = self._ev_time(f.start_ev)
+            ends = [self._ev_time(e) for e in f.step_evs]
+            end = ends[-1]
+            dev = None if f.host is None else f.host.numpy()
+        tokens = np.full((batch.steps, len(batch.chunks)), -1, dtype=np.int64)
+        if dev is not None and len(f.cols):
+            tokens[:, f.cols] = dev
+            for j, rid in enumerate(f.req_ids):
+                st = self._reqs.get(rid)
+                if st is not None:
+                    st.outputs.extend(int(t) for t in dev[:, j])
+        return StepResult(batch, start, end, tuple(ends), tokens)
