@@ -1,0 +1,197 @@
+"""Attention metadata (built once per launch from the chunks; nothing global), the static buffers that decode
+CUDA graphs are captured on, and attention over the paged pool.
+
+Rows ``[0, num_decode)`` are one-token chunks and go through the paged decode kernel in one launch; the
+remaining chunks (prefill, or anything after the first multi-token chunk) go through SDPA one sequence at a
+time: with no cached prefix on the chunk's own k/v (causal), with a prefix on k/v gathered from the pool.
+Executors should put decode chunks first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..batch import Chunk
+from .kernels.decode_attention import paged_decode_attention
+
+# columns of the packed int32 metadata rows (one host->device copy per launch)
+_POS, _CTX, _SLOT, _SAMPLE = 0, 1, 2, 3
+_NCOLS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class AttnMeta:
+    positions: torch.Tensor  # [T] int32: position of each new token
+    slot_mapping: torch.Tensor  # [T] int32: pool slot of each new token's k/v (-1: not stored)
+    seq_starts: torch.Tensor  # [S + 1] int32: cu_seqlens of the new tokens
+    context_lens: torch.Tensor  # [S] int32: tokens in context after this launch (prefix + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    sample_rows: torch.Tensor  # [num_sampled] int32: row of the last token of each sampled chunk
+    num_decode: int  # sequences [0, num_decode) have one new token each (rows [0, num_decode))
+    max_context: int  # upper bound on context_lens (sizes the decode split)
+    block_size: int
+    q_lens: tuple[int, ...]  # host copies, used by the prefill path only
+    ctx_lens: tuple[int, ...] | None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | str,
+               max_blocks: int | None = None) -> AttnMeta:
+    """Metadata for one launch over ``chunks`` (their token rows in chunk order)."""
+    n = len(chunks)
+    q_lens = tuple(c.num_tokens for c in chunks)
+    ctx_lens = tuple(c.start + c.num_tokens for c in chunks)
+    T = sum(q_lens)
+    need_blocks = max((-(-c // block_size) for c in ctx_lens), default=1)
+    width = max(1, need_blocks if max_blocks is None else max_blocks)
+    if need_blocks > width:
+        raise ValueError(f"build_meta: a chunk needs {need_blocks} blocks, more than max_blocks={width}")
+    num_decode = 0
+    while num_decode < n and q_lens[num_decode] == 1:
+        num_decode += 1
+    num_sampled = sum(1 for c in chunks if c.sample)
+    # one int32 buffer: [positions T | slots T | seq_starts n+1 | ctx n | sample_rows k | block tables n*width]
+    sizes = (T, T, n + 1, n, num_sampled, n * width)
+    offs = np.cumsum((0,) + sizes)
+    buf = np.zeros(offs[-1], dtype=np.int32)
+    pos, slot, starts, ctx, sample, bt = (buf[offs[i]:offs[i + 1]] for i in range(6))
+    bt = bt.reshape(n, width)
+    row = k = 0
+    for i, c in enumerate(chunks):
+        blocks = np.asarray(c.block_ids[:-(-ctx_lens[i] // block_size)], dtype=np.int64)
+        if len(blocks) * block_size < ctx_lens[i]:
+            raise ValueError(f"build_meta: request {c.req_id} has {len(c.block_ids)} blocks, too few for "
+                             f"{ctx_lens[i]} tokens")
+        bt[i, :len(blocks)] = blocks
+        p = np.arange(c.start, c.start + c.num_tokens)
+        pos[row:row + c.num_tokens] = p
+        slot[row:row + c.num_tokens] = blocks[p // block_size] * block_size + p % block_size
+        row += c.num_tokens
+        starts[i + 1] = row
+        ctx[i] = ctx_lens[i]
+        if c.sample:
+            sample[k] = row - 1
+            k += 1
+    dev = torch.from_numpy(buf).to(device)
+    parts = [dev[offs[i]:offs[i + 1]] for i in range(6)]
+    return AttnMeta(positions=parts[0], slot_mapping=parts[1], seq_starts=parts[2], context_lens=parts[3],
+                    sample_rows=parts[4], block_tables=parts[5].view(n, width), num_decode=num_decode,
+                    max_context=max(ctx_lens, default=1), block_size=block_size, q_lens=q_lens,
+                    ctx_lens=ctx_lens)
+
+
+class DecodeBuffers:
+    """Static metadata tensors for CUDA-graph capture of decode steps (one token per sequence).
+
+    Row ``i`` of the pinned host buffer and of its device twin holds ``(position, context_len, slot,
+    sample_row, block table...)``; ``fill`` writes the first ``bs`` rows on the host and copies them in one
+    host->device copy (asynchronous: fill again only after the step that reads them has been ordered after
+    it, as the executor's one sync per step does). Padding rows have context 0 and slot -1: they store
+    nothing and attend to nothing."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device | str) -> None:
+        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.device = torch.device(device)
+        cols = _NCOLS + max_blocks
+        self._host = torch.zeros((max_batch, cols), dtype=torch.int32,
+                                 pin_memory=self.device.type == "cuda")
+        self._np = self._host.numpy()
+        self._np[:, _SAMPLE] = np.arange(max_batch)
+        self._np[:, _SLOT] = -1
+        self.buf = torch.zeros((max_batch, cols), dtype=torch.int32, device=self.device)
+        self.buf.copy_(self._host)
+        self.seq_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # for graph inputs
+
+    def fill(self, chunks: Sequence[Chunk], bs: int | None = None) -> None:
+        """Rows for one-token ``chunks`` (position ``start``), padded to ``bs`` rows."""
+        n = len(chunks)
+        positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        bt = self._np[:n, _NCOLS:]
+        B = self.block_size
+        for i, c in enumerate(chunks):
+            nb = positions[i] // B + 1
+            if nb > self.max_blocks or len(c.block_ids) < nb:
+                raise ValueError(f"DecodeBuffers.fill: request {c.req_id} at position {c.start} needs {nb} "
+                                 f"blocks (has {len(c.block_ids)}, room for {self.max_blocks})")
+            bt[i, :nb] = c.block_ids[:nb]
+        self._write(positions, bs)
+
+    def fill_arrays(self, positions: np.ndarray, block_tables: np.ndarray, bs: int | None = None) -> None:
+        """Rows from arrays: ``positions[i]`` of the new token, ``block_tables[i, :]`` (at most max_blocks)."""
+        n = len(positions)
+        self._np[:n, _NCOLS:_NCOLS + block_tables.shape[1]] = block_tables
+        self._write(np.asarray(positions, dtype=np.int64), bs)
+
+    def _write(self, positions: np.ndarray, bs: int | None) -> None:
+        n = len(positions)
+        bs = n if bs is None else bs
+        if not n <= bs <= self.max_batch:
+            raise ValueError(f"DecodeBuffers: {n} rows padded to {bs}, room for {self.max_batch}")
+        h, B = self._np, self.block_size
+        h[:n, _POS] = positions
+        h[:n, _CTX] = positions + 1
+        h[:n, _SLOT] = h[np.arange(n), _NCOLS + positions // B] * B + positions % B
+        h[n:bs, _POS] = 0
+        h[n:bs, _CTX] = 0
+        h[n:bs, _SLOT] = -1
+        self.buf[:bs].copy_(self._host[:bs], non_blocking=True)
+
+    def meta(self, bs: int) -> AttnMeta:
+        """An AttnMeta over the first ``bs`` rows (views: valid for capture and replay alike)."""
+        b = self.buf[:bs]
+        return AttnMeta(positions=b[:, _POS], slot_mapping=b[:, _SLOT], seq_starts=self.seq_starts[:bs + 1],
+                        context_lens=b[:, _CTX], block_tables=b[:, _NCOLS:], sample_rows=b[:, _SAMPLE],
+                        num_decode=bs, max_context=self.max_blocks * self.block_size,
+                        block_size=self.block_size, q_lens=(1,) * bs, ctx_lens=None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q``: ``[T, H, D]``; ``k``/``v``: ``[T, KVH, D]`` of the new tokens (already stored in the pool).
+    Returns ``[T, H, D]``."""
+    T, H, D = q.shape
+    KVH = k.shape[1]
+    out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
+    nd = meta.num_decode
+    if nd:
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                               scale, meta.max_context, out=out[:nd])
+    if nd == meta.num_seqs:
+        return out
+    assert meta.ctx_lens is not None, "multi-token chunks need host-side lengths (use build_meta)"
+    B = meta.block_size
+    row = nd
+    k_flat, v_flat = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)
+    for i in range(nd, meta.num_seqs):
+        n, ctx = meta.q_lens[i], meta.ctx_lens[i]
+        prefix = ctx - n
+        qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if prefix == 0:
+            ki, vi = k[row:row + n], v[row:row + n]
+            mask, causal = None, True
+        else:
+            p = torch.arange(ctx, device=q.device)
+            slots = meta.block_tables[i].long()[p // B] * B + p % B
+            ki, vi = k_flat[slots], v_flat[slots]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]
+            causal = False
+        ki = ki.repeat_interleave(H // KVH, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, ctx, D]
+        vi = vi.repeat_interleave(H // KVH, dim=1).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, is_causal=causal,
+                                           scale=scale)
+        out[row:row + n] = o[0].transpose(0, 1)
+        row += n
+    return out

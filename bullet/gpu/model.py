@@ -1,0 +1,189 @@
+"""Llama-3.x / Qwen2.5 / Qwen3 decoder forward over a layer range, on the paged KV pool.
+
+The residual stream is carried as ``(residual, delta)`` inside a slice and folded (``residual + delta``,
+rounded to the model dtype exactly as the fused add+RMSNorm rounds it) at a slice boundary, so a forward over
+``range(0, 8)`` then ``range(8, 32)`` gives bit-for-bit the result of ``range(0, 32)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelSpec
+from .attention import AttnMeta, attention
+from .kernels.activation import silu_mul
+from .kernels.norm import rms_norm
+from .kernels.rope import rope_and_store
+from .kvcache import PagedKvCache
+from .weights import check_weights
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """float64 ``[head_dim / 2]`` inverse frequencies, with Llama-3 scaling where ``spec.rope_scaling``."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    r = spec.rope_scaling
+    if r is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = r.original_max_position / r.low_freq_factor  # longer than this: divided by factor
+    high_wavelen = r.original_max_position / r.high_freq_factor  # shorter than this: unchanged
+    smooth = (r.original_max_position / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    mid = (1 - smooth) * inv / r.factor + smooth * inv
+    return torch.where(wavelen > low_wavelen, inv / r.factor, torch.where(wavelen < high_wavelen, inv, mid))
+
+
+def rope_cache(spec: ModelSpec, device: torch.device | str, max_position: int | None = None) -> torch.Tensor:
+    """float32 ``[max_position, head_dim]``: row ``p`` is ``[cos(p f) | sin(p f)]``."""
+    n = max_position or spec.max_position
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * rope_inv_freq(spec)[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1).to(device=device, dtype=torch.float32)
+
+
+@dataclass(slots=True)
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wqkv: torch.Tensor  # [q + 2 kv, hidden]
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 ffn, hidden]
+    w_down: torch.Tensor
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device | str,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        if spec.tp != 1:
+            raise NotImplementedError(f"Model: tensor parallelism (tp={spec.tp}) is not implemented")
+        check_weights(spec, weights)
+        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([get(n) for n in names], dim=0).contiguous()
+
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if spec.tie_embeddings else get("lm_head.weight")
+        self.norm = get("model.norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.layers.append(_Layer(
+                ln1=get(p + "input_layernorm.weight"), ln2=get(p + "post_attention_layernorm.weight"),
+                wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if spec.qkv_bias else None,
+                q_norm=get(a + "q_norm.weight") if spec.qk_norm else None,
+                k_norm=get(a + "k_norm.weight") if spec.qk_norm else None,
+                wo=get(a + "o_proj.weight").contiguous(),
+                w_gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                w_down=get(p + "mlp.down_proj.weight").contiguous()))
+        self.cos_sin = rope_cache(spec, self.device)
+        self.scale = spec.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
+        """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
+        previous slice returned. Returns the hidden state after the slice, final norm applied where
+        ``layers.stop == num_layers``. Writes the new tokens' k/v into ``kv`` at ``meta.slot_mapping``."""
+        spec = self.spec
+        if not 0 <= layers.start <= layers.stop <= spec.num_layers or layers.step != 1:
+            raise ValueError(f"Model.forward: layers {layers} is not a slice of 0..{spec.num_layers}")
+        h = F.embedding(x, self.embed) if layers.start == 0 else x
+        residual, delta = h, None
+        eps = spec.rms_norm_eps
+        for i in layers:
+            layer = self.layers[i]
+            xn, residual = rms_norm(residual if delta is None else delta, layer.ln1, eps,
+                                    None if delta is None else residual)
+            delta = self._attention(i, layer, xn, meta, kv)
+            xn, residual = rms_norm(delta, layer.ln2, eps, residual)
+            delta = self._mlp(layer, xn)
+        if layers.stop == spec.num_layers:
+            out, _ = rms_norm(residual if delta is None else delta, self.norm, eps,
+                              None if delta is None else residual)
+            return out
+        return residual if delta is None else residual + delta
+
+    def _attention(self, i: int, layer: _Layer, xn: torch.Tensor, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
+        spec = self.spec
+        H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+        T = xn.shape[0]
+        qkv = F.linear(xn, layer.wqkv, layer.bqkv)
+        k_cache, v_cache = kv.layer(i)
+        rope_and_store(qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, H, KVH, D,
+                       layer.q_norm, layer.k_norm, spec.rms_norm_eps)
+        q = qkv[:, :H * D].view(T, H, D)
+        k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+        v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
+        o = attention(q, k, v, meta, k_cache, v_cache, self.scale)
+        return F.linear(o.view(T, H * D), layer.wo)
+
+    def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``."""
+        return F.linear(hidden.index_select(0, rows), self.lm_head).float()
+
+
+# --- reference: plain torch, no paging, no fusion (for tests) --------------------------------------------
+
+
+def reference_forward(spec: ModelSpec, weights: dict[str, torch.Tensor], token_ids_per_seq: list[list[int]],
+                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                      ) -> list[torch.Tensor]:
+    """Logits ``[len(ids), vocab]`` (float32) of every position of every sequence, full causal attention."""
+    device = torch.device(device) if device is not None else next(iter(weights.values())).device
+    W = {n: t.to(device=device, dtype=dtype) for n, t in weights.items()}
+    H, KVH, D = spec.num_heads // spec.tp, spec.num_kv_heads // spec.tp, spec.head_dim
+    eps = spec.rms_norm_eps
+    inv = rope_inv_freq(spec)
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    outs = []
+    for ids in token_ids_per_seq:
+        n = len(ids)
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], dim=-1)
+        cos, sin = ang.cos().to(device, dtype)[:, None, :], ang.sin().to(device, dtype)[:, None, :]
+        h = W["model.embed_tokens.weight"][torch.tensor(ids, device=device)]
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            x = norm(h, W[p + "input_layernorm.weight"])
+            q = F.linear(x, W[a + "q_proj.weight"], W.get(a + "q_proj.bias")).view(n, H, D)
+            k = F.linear(x, W[a + "k_proj.weight"], W.get(a + "k_proj.bias")).view(n, KVH, D)
+            v = F.linear(x, W[a + "v_proj.weight"], W.get(a + "v_proj.bias")).view(n, KVH, D)
+            if spec.qk_norm:
+                q, k = norm(q, W[a + "q_norm.weight"]), norm(k, W[a + "k_norm.weight"])
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k = k.repeat_interleave(H // KVH, dim=1)
+            v = v.repeat_interleave(H // KVH, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+            s = s.masked_fill(~causal, float("-inf"))
+            o = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v).reshape(n, H * D)
+            h = h + F.linear(o, W[a + "o_proj.weight"])
+            x = norm(h, W[p + "post_attention_layernorm.weight"])
+            h = h + F.linear(F.silu(F.linear(x, W[p + "mlp.gate_proj.weight"])) * F.linear(x, W[p + "mlp.up_proj.weight"]),
+                             W[p + "mlp.down_proj.weight"])
+        h = norm(h, W["model.norm.weight"])
+        head = W["model.embed_tokens.weight"] if spec.tie_embeddings else W["lm_head.weight"]
+        outs.append(F.linear(h, head).float())
+    return outs

@@ -1,0 +1,206 @@
+"""Kernels against float64 references on fresh random data. On the CPU these check the torch fallbacks (or
+the Triton kernels under ``TRITON_INTERPRET=1``); ``gpu`` tests check the Triton kernels on CUDA at real
+shapes (decode attention: 1..256 ragged sequences, contexts up to 32k, 32q/8kv and 28q/4kv, head_dim 128)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from bullet.gpu.kernels.activation import silu_mul
+from bullet.gpu.kernels.decode_attention import paged_decode_attention
+from bullet.gpu.kernels.norm import rms_norm
+from bullet.gpu.kernels.rope import rope_and_store
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any()
+    return float((a - b).norm() / b.norm())
+
+
+def make_pool(ctx_lens: list[int], kvh: int, d: int, page: int, device, dtype, seed: int):
+    """A pool holding every sequence's context in scattered blocks; returns (k, v, block_tables)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // page) for c in ctx_lens]
+    total = sum(need) + 3
+    perm = torch.randperm(total, generator=g)
+    width = max(max(need), 1)
+    bt = torch.zeros(len(ctx_lens), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    k = torch.randn(total, page, kvh, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(total, page, kvh, d, generator=g).to(device=device, dtype=dtype)
+    return k, v, bt.to(device)
+
+
+def decode_reference(q, k, v, bt, ctx_lens, scale) -> torch.Tensor:
+    """float64, one sequence at a time, gathering its tokens through its block table."""
+    S, H, D = q.shape
+    page, kvh = k.shape[1], k.shape[2]
+    out = torch.zeros(S, H, D, dtype=torch.float64, device=q.device)
+    for i, c in enumerate(ctx_lens):
+        if c == 0:
+            continue
+        p = torch.arange(c, device=q.device)
+        slots = bt[i].long()[p // page] * page + p % page
+        ki = k.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)  # [c, H, D]
+        vi = v.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
+        s = torch.einsum("hd,chd->hc", q[i].double(), ki) * scale
+        out[i] = torch.einsum("hc,chd->hd", torch.softmax(s, dim=-1), vi)
+    return out
+
+
+def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits=None):
+    k, v, bt = make_pool(ctx_lens, kvh, d, page, device, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(ctx_lens), h, d, generator=g).to(device=device, dtype=dtype)
+    cl = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    paged_decode_attention(q, k, v, bt, cl, scale, max(ctx_lens), num_splits=num_splits, out=out)
+    ref = decode_reference(q, k, v, bt, ctx_lens, scale)
+    assert rel(out, ref) < tol, rel(out, ref)
+    for i, c in enumerate(ctx_lens):
+        if c == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+    return rel(out, ref)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 2), (7, 1)])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_attention_cpu_fp32(heads, num_splits):
+    ctx = [1, 5, 16, 17, 70, 0, 33]
+    check_decode(ctx, heads[0], heads[1], 16, 4, "cpu", torch.float32, seed=sum(heads), tol=1e-5,
+                 num_splits=num_splits)
+
+
+def test_rms_norm_with_and_without_residual():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g)
+    r = torch.randn(7, 96, generator=g)
+    w = torch.rand(96, generator=g) + 0.5
+    y, s = rms_norm(x, w, 1e-6)
+    xd = x.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert rel(y, want) < 1e-6 and s is x or torch.equal(s, x)
+    y, s = rms_norm(x, w, 1e-6, r)
+    sd = (x + r).double()
+    assert torch.equal(s, x + r)
+    assert rel(y, sd / torch.sqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()) < 1e-6
+
+
+def rope_reference(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w=None, eps=1e-6) -> torch.Tensor:
+    x = x.double()
+    if w is not None:
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    half = x.shape[-1] // 2
+    cs = cos_sin.double()[pos.long()]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None]
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+def check_rope(device, dtype, h, kvh, d, qk_norm, tol):
+    g = torch.Generator().manual_seed(h + kvh)
+    T, page, blocks = 9, 4, 8
+    qkv = torch.randn(T, (h + 2 * kvh) * d, generator=g).to(device=device, dtype=dtype)
+    orig = qkv.clone()
+    pos = torch.randint(0, 500, (T,), generator=g).to(device=device, dtype=torch.int32)
+    ang = torch.arange(512, dtype=torch.float64)[:, None] * torch.rand(d // 2, generator=g, dtype=torch.float64)
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(device)
+    slots = torch.randperm(blocks * page, generator=g)[:T].to(torch.int32)
+    slots[3] = -1
+    slots = slots.to(device)
+    kc = torch.zeros(blocks, page, kvh, d, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    qn = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype) if qk_norm else None
+    kn = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype) if qk_norm else None
+    rope_and_store(qkv, pos, cos_sin, kc, vc, slots, h, kvh, d, qn, kn, 1e-6)
+    q_ref = rope_reference(orig[:, :h * d].view(T, h, d), pos, cos_sin, qn)
+    k_ref = rope_reference(orig[:, h * d:(h + kvh) * d].view(T, kvh, d), pos, cos_sin, kn)
+    assert rel(qkv[:, :h * d].view(T, h, d), q_ref) < tol
+    assert rel(qkv[:, h * d:(h + kvh) * d].view(T, kvh, d), k_ref) < tol
+    assert torch.equal(qkv[:, (h + kvh) * d:], orig[:, (h + kvh) * d:])  # v untouched
+    kflat, vflat = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
+    keep = slots.cpu() >= 0
+    idx = slots.cpu().long()[keep].to(device)
+    assert rel(kflat[idx], k_ref[keep.to(device)]) < tol
+    assert torch.equal(vflat[idx], orig[:, (h + kvh) * d:].view(T, kvh, d)[keep.to(device)])
+    written = torch.zeros(blocks * page, dtype=torch.bool)
+    written[idx.cpu()] = True
+    assert (kflat.cpu()[~written] == 0).all()  # nothing stored for slot -1
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store_cpu(qk_norm):
+    check_rope("cpu", torch.float32, 4, 2, 16, qk_norm, 1e-6)
+
+
+def test_silu_mul_cpu():
+    x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(1))
+    xd = x.double()
+    want = xd[:, :40] * torch.sigmoid(xd[:, :40]) * xd[:, 40:]
+    assert rel(silu_mul(x), want) < 1e-6
+
+
+# --- GPU ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [  # (num_seqs, max context, seed)
+    (1, 1, 0), (1, 32768, 1), (3, 32768, 2), (17, 4096, 3), (64, 8192, 4), (256, 1024, 5), (256, 2048, 6),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_gpu_decode_attention_vs_float64(heads, case):
+    n, max_ctx, seed = case
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (n,), generator=g).tolist()
+    ctx[0] = max_ctx  # the longest always present
+    if n > 2:
+        ctx[1] = 1
+    check_decode(ctx, heads[0], heads[1], 128, 16, "cuda", torch.bfloat16, seed, tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_padding_rows_and_fp32():
+    check_decode([0, 5, 0, 300], 32, 8, 128, 16, "cuda", torch.bfloat16, 7, tol=1e-2)
+    check_decode([1, 77, 1000, 4000], 32, 8, 128, 16, "cuda", torch.float32, 8, tol=1e-5)
+    for splits in (1, 2, 7, 64):
+        check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gpu_rope_and_store(heads, qk_norm):
+    check_rope("cuda", torch.bfloat16, heads[0], heads[1], 128, qk_norm, 1e-2)
+    check_rope("cuda", torch.float32, heads[0], heads[1], 128, qk_norm, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [3584, 4096])
+def test_gpu_rms_norm_and_silu(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(33, n, generator=g).cuda().bfloat16()
+    r = torch.randn(33, n, generator=g).cuda().bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).cuda().bfloat16()
+    y, s = rms_norm(x, w, 1e-5, r)
+    assert torch.equal(s, x + r)
+    sd = s.double()
+    assert rel(y, sd / torch.sqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()) < 1e-2
+    y0, _ = rms_norm(x, w, 1e-5)
+    xd = x.double()
+    assert rel(y0, xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()) < 1e-2
+    z = torch.randn(33, 2 * n, generator=g).cuda().bfloat16()
+    zd = z.double()
+    assert rel(silu_mul(z), zd[:, :n] * torch.sigmoid(zd[:, :n]) * zd[:, n:]) < 1e-2
+    assert math.isfinite(float(silu_mul(z).float().sum()))
