@@ -172,6 +172,7 @@ class RooflineModel:
         self._slots = n * self.bps  # float: the vectorised path divides in floats
         self._slots[0] = self.bps
         self._inv_c_list = self.inv_c.tolist()
+        self._inv_c_max = float(self.inv_c.max())  # the slowest per-SM rate
         self._bw_list = self.bw.tolist()
         self._inv_bw_list = self.inv_bw.tolist()
         # Shapes, per GPU after tensor parallelism.
@@ -193,6 +194,12 @@ class RooflineModel:
         self._sample_bytes_per_row = (4 * h * dt  # final norm
                                       + c.sample_passes * m.vocab_size * 4)  # fp32 logits
         self._embed_bytes_per_row = 2 * h * dt
+        # Byte totals for work_bytes (the co-runner's demand): the same terms as the kernels'.
+        gemms = self._big.layer_gemms
+        self._layer_weight_bytes = float(sum(g.weight_bytes for g in gemms))
+        self._layer_row_bytes = float(sum(g.row_bytes for g in gemms)) + self._attn_row_bytes + self._elem_bytes
+        self._lm_weight_bytes = float(self._big.lm_head.weight_bytes)
+        self._lm_row_bytes = self._big.lm_head.row_bytes + self._sample_bytes_per_row
         if m.tp > 1:  # two ring all-reduces per layer of tokens x hidden: 2 (tp-1)/tp of it crosses NVLink
             self._ar_fixed = 2 * c.allreduce_latency
             self._ar_per_token = 2 * 2 * (m.tp - 1) / m.tp * h * dt / c.allreduce_bandwidth
@@ -226,7 +233,17 @@ class RooflineModel:
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
         grow = np.arange(steps, dtype=np.float64) * work.seqs
-        att = self._attention(work.attn_pairs + grow, work.kv_read + grow, work.tokens, n, True, cf, inv_bw)
+        kv_read = work.kv_read + grow
+        # Decode attention is nearly always memory-bound: when even the last step's compute time, at the
+        # slowest per-SM rate and with a spare wave, stays below the first step's memory time, max() is
+        # the memory time at every step and the compute term need not be evaluated (same numbers).
+        t_m = (self._attn_kv_bytes * kv_read + self._attn_row_bytes * work.tokens) * inv_bw
+        last_tiles = (work.attn_pairs + (steps - 1) * work.seqs) * self._attn_tiles_per_pair
+        bound = (last_tiles / (n * self.bps) + 1.0) * self._attn_wave_flops * cf * self._inv_c_max
+        if steps and bound < t_m[0]:
+            att = t_m
+        else:
+            att = self._attention(work.attn_pairs + grow, kv_read, work.tokens, n, True, cf, inv_bw)
         return rest + work.num_layers * att
 
     # ------------------------------------------------------------------ extras
@@ -264,14 +281,12 @@ class RooflineModel:
 
     def work_bytes(self, work: Work) -> float:
         """HBM bytes the launch moves (weights once per launch, activations, KV reads)."""
-        t, L, s = work.tokens, work.num_layers, work.samples
-        sh = self._small if t <= self._small.bm else self._big
-        gem = sum(g.weight_bytes + g.row_bytes * t for g in sh.layer_gemms)
-        att = self._attn_kv_bytes * work.kv_read + self._attn_row_bytes * t
-        once = self._embed_bytes_per_row * t * bool(work.embed)
+        t, s = work.tokens, work.samples
+        per_layer = self._layer_weight_bytes + self._layer_row_bytes * t + self._attn_kv_bytes * work.kv_read
+        once = self._embed_bytes_per_row * t if work.embed else 0.0
         if s:
-            once += sh.lm_head.weight_bytes + sh.lm_head.row_bytes * s + self._sample_bytes_per_row * s
-        return L * (gem + att + self._elem_bytes * t) + once
+            once += self._lm_weight_bytes + self._lm_row_bytes * s
+        return work.num_layers * per_layer + once
 
     def constants_dict(self) -> dict[str, float]:
         return asdict(self.constants)
