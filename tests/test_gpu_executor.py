@@ -12,16 +12,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bullet.batch import Batch, Chunk, Partition  # noqa: E402
-from bullet.config import GPUS, MODELS, SchedulerConfig  # noqa: E402
-from bullet.engine import serve  # noqa: E402
-from bullet.gpu.executor import GpuExecutor, synthetic_ids  # noqa: E402
-from bullet.gpu.model import reference_forward  # noqa: E402
-from bullet.gpu.weights import load_weights  # noqa: E402
-from bullet.kvcache import BlockManager  # noqa: E402
-from bullet.policies import make_scheduler  # noqa: E402
-from bullet.request import Request  # noqa: E402
-from tests.latency import LinearLatency  # noqa: E402
+from bullet.batch import Batch, Chunk, Partition
+from bullet.config import GPUS, MODELS, SchedulerConfig
+from bullet.engine import serve
+from bullet.gpu.executor import GpuExecutor, synthetic_ids
+from bullet.gpu.model import reference_forward
+from bullet.gpu.weights import load_weights
+from bullet.kvcache import BlockManager
+from bullet.policies import make_scheduler
+from bullet.request import Request
+from tests.latency import LinearLatency
 
 SPEC = MODELS["tiny-llama"]
 SEED = 3
@@ -58,10 +58,10 @@ def make_requests(n=7, seed=0, with_ids=False):
     return reqs
 
 
-def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, **cfg):
+def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, **cfg):
     gpu = GPUS["h200"]
     executor = GpuExecutor(SPEC, "dummy", device, block_size=4, num_blocks=num_blocks, seed=SEED,
-                           weights=weights, dtype=dtype)
+                           weights=weights, dtype=dtype, menu=menu)
     kv = BlockManager(num_blocks, 4)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers))
     steps = []
@@ -105,7 +105,7 @@ def test_serve_matches_reference(weights, policy, cfg):
 def test_preemption_recompute_matches_reference(weights):
     """A pool too small for everyone: preempted requests recompute prompt and outputs they already have."""
     reqs = [Request(i, 0.0, 10 + 3 * i, 8) for i in range(6)]
-    done, steps, _ = run_serve(weights, reqs, "chunked", num_blocks=14, max_batched_tokens=16)
+    done, _steps, _ = run_serve(weights, reqs, "chunked", num_blocks=14, max_batched_tokens=16)
     assert sum(r.num_preemptions for r in done) > 0
     check_against_reference(weights, done, reqs)
 
@@ -171,25 +171,36 @@ def test_seeded_sampling_is_deterministic(weights):
 # ---------------------------------------------------------------------------------------------- GPU
 
 
+@pytest.fixture(scope="module")
+def gpu_menu():
+    """One partition menu for every GPU test here (menus are made once, never per executor)."""
+    from bullet.gpu.partitions import PartitionMenu
+
+    menu = PartitionMenu.create(0)
+    yield menu
+    menu.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy,cfg", [
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 64}),
     ("chunked", {"max_batched_tokens": 16}),
 ])
-def test_gpu_serve_matches_reference(weights, policy, cfg):
+def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg):
     """float32 on the GPU (Triton kernels, green-context streams, decode graphs) against the reference."""
     reqs = make_requests(7, seed=2, with_ids=True)
-    done, steps, executor = run_serve(weights, reqs, policy, device="cuda", dtype=torch.float32, **cfg)
+    done, _steps, executor = run_serve(weights, reqs, policy, device="cuda", dtype=torch.float32,
+                                       menu=gpu_menu, **cfg)
     check_against_reference(weights, done, reqs)
     assert executor._graphs and any(lg.graphs for lg in executor._graphs.values())
 
 
 @pytest.mark.gpu
-def test_gpu_corun_equals_alone():
+def test_gpu_corun_equals_alone(gpu_menu):
     """A layer-sliced prefill on one partition next to fused decode steps on the other gives exactly the
     tokens each gives alone on the same partitions."""
     spec = dataclasses.replace(MODELS["llama-3.1-8b"], num_layers=4)
-    ex = GpuExecutor(spec, "dummy", "cuda", block_size=16, num_blocks=4096, seed=0)
+    ex = GpuExecutor(spec, "dummy", "cuda", block_size=16, num_blocks=4096, seed=0, menu=gpu_menu)
     rng = np.random.default_rng(0)
     dec_prompt = [tuple(int(x) for x in rng.integers(0, spec.vocab_size, 300)) for _ in range(16)]
     pre_prompt = tuple(int(x) for x in rng.integers(0, spec.vocab_size, 3000))

@@ -119,7 +119,8 @@ class GpuExecutor:
                                                         reserved_bytes, self.device)
         self.kv = PagedKvCache(spec, num_blocks, block_size, self.device, self.dtype)
         self.menu = menu
-        if self.cuda and self.menu is None:
+        self._own_menu = self.cuda and menu is None
+        if self._own_menu:
             self.menu = PartitionMenu.create(self.device.index)
         self.use_graphs = use_graphs and self.cuda
         self._graph_args = {"buckets": graph_buckets, "max_context": graph_max_context}
@@ -192,7 +193,7 @@ class GpuExecutor:
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        if self.menu is not None:
+        if self._own_menu:  # a menu passed in belongs to the caller
             self.menu.close()
 
     # ------------------------------------------------------------------ streams
@@ -209,6 +210,8 @@ class GpuExecutor:
 
     def capture(self, lane: Lane, num_sms: int, sizes: Sequence[int], greedy: bool = True) -> None:
         """Capture decode graphs ahead of use for ``lane`` on the partition a batch with ``num_sms`` gets."""
+        if not self.use_graphs:
+            return
         side = self.menu.side(lane, num_sms)
         with torch.cuda.stream(side.stream):
             for bs in sizes:

@@ -1,0 +1,183 @@
+"""Prefill next to decode on complementary green-context partitions, through the GpuExecutor, for every pair
+of the partition menu: how much work gets done compared with running the two back to back on the whole GPU.
+
+Llama-3.1-8B shapes, dummy weights. A prefill of ``--prefill-tokens`` tokens (one request, layer slices of
+``--layers-per-step`` launched back to back) runs on the prefill half while decode steps (``--batch`` requests
+x ``--context`` tokens of context, one CUDA graph per step captured on the decode half) run back to back on
+the other. Per pair:
+
+    ratio = (t_prefill_alone_full + n_decode * t_decode_alone_full) / t_concurrent
+
+with ``t_concurrent`` the prefill's span, ``n_decode`` the decode steps completed inside it (the step
+straddling its end counted by the fraction that fell inside), and the ``*_alone_full`` times measured on a
+whole-GPU stream. ``naive`` is both lanes on ordinary whole-GPU streams (no partitioning).
+
+    python bench/gpu_concurrency.py [--reps 2] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bullet.batch import Batch, Chunk, Partition
+from bullet.config import MODELS
+from bullet.gpu.executor import GpuExecutor
+from bullet.gpu.partitions import PartitionMenu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--layers-per-step", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--pairs", default="", help="comma-separated prefill SM counts (default: the whole menu)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no partitions)")
+    args = ap.parse_args()
+
+    spec = MODELS[args.model]
+    L, bs, B = spec.num_layers, 16, args.batch
+    t0 = time.perf_counter()
+    menu = PartitionMenu.create(0)
+    t_menu = time.perf_counter() - t0
+    dec_blocks = -(-(args.context + 1) // bs)
+    pre_blocks = -(-args.prefill_tokens // bs)
+    num_blocks = B * dec_blocks + pre_blocks + 64
+    ex = GpuExecutor(spec, "dummy", args.device, block_size=bs, num_blocks=num_blocks, menu=menu, seed=0,
+                     reserved_bytes=0)
+    ex.kv.k.normal_(0, 1)  # no timing on zeros
+    ex.kv.v.normal_(0, 1)
+    full_sms = menu.num_sms
+    gpu_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+
+    rng = np.random.default_rng(0)
+    tables = [tuple(range(1 + i * dec_blocks, 1 + (i + 1) * dec_blocks)) for i in range(B)]
+    dec_chunks = tuple(Chunk(10_000 + i, args.context, 1, tables[i], True, (int(rng.integers(spec.vocab_size)),))
+                       for i in range(B))
+    pre_ids = tuple(int(x) for x in rng.integers(0, spec.vocab_size, args.prefill_tokens))
+    pre_chunk = Chunk(1, 0, args.prefill_tokens, tuple(range(B * dec_blocks + 1, B * dec_blocks + 1 + pre_blocks)),
+                      True, pre_ids)
+    step = args.layers_per_step
+
+    def prefill_batches(part: Partition) -> list[Batch]:
+        return [Batch(part, range(i, min(i + step, L)), (pre_chunk,)) for i in range(0, L, step)]
+
+    def decode_batch(part: Partition) -> Batch:
+        return Batch(part, range(L), dec_chunks)
+
+    def prefill_alone(part: Partition) -> float:
+        res = []
+        for b in prefill_batches(part):
+            ex.launch(b)
+            res += ex.wait(None)
+        return res[-1].end - res[0].start
+
+    def decode_alone(part: Partition, n: int = 10) -> float:
+        times = []
+        for _ in range(n):
+            ex.launch(decode_batch(part))
+            (r,) = ex.wait(None)
+            times.append(r.end - r.start)
+        return statistics.median(times)
+
+    def concurrent(pp: Partition, dp: Partition) -> tuple[float, float, float, int]:
+        """(t_concurrent, decode steps inside it, median decode step time, steps launched)"""
+        slices = prefill_batches(pp)
+        ex.launch(decode_batch(dp))
+        ex.launch(slices.pop(0))
+        pre: list = []
+        dec: list = []
+        while ex.busy("prefill") or ex.busy("decode"):
+            for r in ex.wait(None):
+                if r.batch.lane == "prefill":
+                    pre.append(r)
+                    if slices:
+                        ex.launch(slices.pop(0))
+                else:
+                    dec.append(r)
+                    if slices or ex.busy("prefill"):
+                        ex.launch(decode_batch(dp))
+        a, z = pre[0].start, pre[-1].end
+        n = sum(max(0.0, min(r.end, z) - max(r.start, a)) / (r.end - r.start) for r in dec)
+        return z - a, n, statistics.median(r.end - r.start for r in dec), len(dec)
+
+    # warm-up (kernels, cuBLAS handles, graphs) and the whole-GPU references
+    full = Partition("all", full_sms)
+    ex.capture("all", full_sms, [B])
+    prefill_alone(full)
+    decode_alone(full, 3)
+    t_pf_full = statistics.median(prefill_alone(full) for _ in range(args.reps + 1))
+    t_dec_full = decode_alone(full, 20)
+
+    sizes = [int(s) for s in args.pairs.split(",") if s] or sorted(menu.pairs)
+    rows = []
+    for p in sizes + ["naive"]:
+        if p == "naive":
+            pp, dp = Partition("prefill", full_sms), Partition("decode", full_sms)
+            label, psms, dsms = "naive", full_sms, full_sms
+        else:
+            pair = menu.pair(p)
+            psms, dsms = pair.prefill.num_sms, pair.decode.num_sms
+            pp, dp = Partition("prefill", psms), Partition("decode", dsms)
+            label = f"{psms}/{dsms}"
+        ex.capture("decode", dp.num_sms, [B])
+        prefill_alone(pp)  # warm this stream
+        t_pf_alone = prefill_alone(pp)
+        t_dec_alone = decode_alone(dp, 5)
+        runs = [concurrent(pp, dp) for _ in range(args.reps)]
+        t_c = statistics.median(r[0] for r in runs)
+        n = statistics.median(r[1] for r in runs)
+        t_dec_c = statistics.median(r[2] for r in runs)
+        ratio = statistics.median((t_pf_full + r[1] * t_dec_full) / r[0] for r in runs)
+        rows.append({"pair": label, "prefill_sms": psms, "decode_sms": dsms, "t_prefill_alone_part": t_pf_alone,
+                         "t_decode_alone_part": t_dec_alone, "t_concurrent": t_c, "decode_steps": n,
+                         "t_decode_concurrent": t_dec_c, "prefill_slowdown": t_c / t_pf_alone,
+                         "decode_slowdown": t_dec_c / t_dec_alone, "ratio": ratio})
+        print(f"  {label:>8}: ratio {ratio:.3f}", flush=True)
+
+    best = max((r for r in rows if r["pair"] != "naive"), key=lambda r: r["ratio"])
+    print()
+    print(f"{spec.name}, dummy weights, {gpu_name}, torch {torch.__version__}; "
+          f"prefill {args.prefill_tokens} tokens in slices of {step} layers; decode {B} x {args.context} "
+          f"context (graphs per partition)")
+    print(f"partition menu: {len(menu.pairs)} pairs, green={menu.green}, {menu.memory_bytes / 2**20:.0f} MiB of "
+          f"device memory, made in {t_menu:.2f} s")
+    print(f"whole GPU alone: prefill {t_pf_full * 1e3:.1f} ms, decode step {t_dec_full * 1e3:.2f} ms")
+    print()
+    hdr = ("pair P/D", "prefill ms (alone on P)", "concurrent ms", "decode steps", "step ms alone/co",
+           "prefill slow", "ratio")
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "---|" * len(hdr))
+    for r in rows:
+        print(f"| {r['pair']} | {r['t_prefill_alone_part'] * 1e3:.1f} | {r['t_concurrent'] * 1e3:.1f} | "
+              f"{r['decode_steps']:.1f} | {r['t_decode_alone_part'] * 1e3:.2f} / {r['t_decode_concurrent'] * 1e3:.2f} | "
+              f"{r['prefill_slowdown']:.2f}x | {r['ratio']:.3f} |")
+    print()
+    print(f"best pair {best['pair']}: {best['ratio']:.3f}x the work of back-to-back whole-GPU runs "
+          f"(acceptance >= 1.2x: {'PASS' if best['ratio'] >= 1.2 else 'FAIL'})")
+    if args.out:
+        out = {"model": spec.name, "device": gpu_name, "torch": torch.__version__,
+                   "args": vars(args), "menu_pairs": menu.describe(), "menu_bytes": menu.memory_bytes,
+                   "t_prefill_full": t_pf_full, "t_decode_full": t_dec_full, "rows": rows}
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.rename(args.out)
+    ex.close()
+    menu.close()
+
+
+if __name__ == "__main__":
+    main()
