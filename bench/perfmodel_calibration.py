@@ -180,6 +180,10 @@ def main() -> None:
         cells = [f"{n}: {s:.2f}x/{100 * a:+.0f}%/{100 * b:+.0f}%" for n in CORUN_PREFILL_SMS
                  for s, a, b in [corun(m, p, n)]]
         print(f"    prompt {p:5d}  " + "   ".join(cells))
+    menu = range(24, 121, 8)
+    best = {p: max(menu, key=lambda n, p=p: corun(m, p, n)[0]) for p in CORUN_PROMPTS}
+    print("    best prefill SMs over 24-120 (measured: 80-96 for long prompts): "
+          + ", ".join(f"{p} tok -> {n} ({corun(m, p, n)[0]:.2f}x)" for p, n in best.items()))
     if not args.no_timing:
         print()
         print(timing(m))

@@ -81,7 +81,7 @@ def test_corun_figures(model):
     grid = [_corun(model, p, n) for p in (1024, 2048, 4096, 8192) for n in (64, 72, 80, 88, 96)]
     assert max(g[1] for g in grid) == pytest.approx(0.33, abs=0.03)  # prefill slowed by up to ~33 %
     for _, _, dec in grid:  # decode steps slowed by ~10-20 %
-        assert 0.08 <= dec <= 0.22
+        assert 0.07 <= dec <= 0.22
     assert all(0.94 <= g[0] <= 1.25 for g in grid)  # measured range 0.94x-1.20x
 
 

@@ -20,11 +20,11 @@ all-reduces per layer. Each kernel takes::
   linear in SMs (``sm_bandwidth`` each), saturating at ``D_max = hbm_efficiency * gpu.bandwidth`` after
   the knee ``n_d = D_max / sm_bandwidth``; ``p = knee_sharpness``.
 * Contention: a co-runner ``co`` on ``co_sms`` other SMs draws ``u = bytes(co) / T(co alone)`` of HBM
-  bandwidth (share ``rho = u / D_max``). This launch then gets a proportional share of HBM once both
-  demands exceed it, ``D(n) * min(1, D_max / (D(n) + u))``, further divided by
-  ``1 + bw_interference * rho`` (queueing, row-buffer and L2 conflicts), and its compute rate is divided
-  by ``1 + compute_interference * rho`` (longer load latencies and L2 misses stalling the GEMM pipeline).
-  ``u`` is the co-runner's stand-alone demand (no fixed point): deterministic and cheap.
+  bandwidth (share ``rho = u / D_max``, load ``q = rho / (1 - rho)`` as in a queue). This launch then gets
+  a proportional share of HBM once both demands exceed it, ``D(n) * min(1, D_max / (D(n) + u))``, further
+  divided by ``1 + bw_interference * q`` (queueing, row-buffer and L2 conflicts), and its compute rate
+  is divided by ``1 + compute_interference * q`` (longer load latencies and L2 misses stalling the GEMM
+  main loop). ``u`` is the co-runner's stand-alone demand (no fixed point): deterministic and cheap.
 
 Nothing is collapsed that changes a per-kernel max(): the memory-only kernels (norms, RoPE, activation,
 embedding, sampler) have negligible FLOPs, so their bytes are summed into one term (exact), and all
@@ -45,6 +45,9 @@ from .base import Work
 
 # Attention work unit: 128 query rows x 64 key columns of one head (a FlashAttention-style tile).
 ATTN_TILE_PAIRS = 128 * 64
+# The co-runner's HBM share is capped here in the queueing term rho / (1 - rho) (a bound, never reached
+# by a co-runner that respects D(n) <= D_max: its stand-alone demand is at most D(N) / D_max ~ 0.78).
+RHO_CAP = 0.9
 # Dynamic power ~ f * V^2 with V ~ f: the clock a power cap allows scales as (power share) ** (1/3).
 CLOCK_POWER_EXPONENT = 1.0 / 3.0
 # Split-K never cuts K below this many elements per split (cuBLAS/CUTLASS split-K heuristics).
@@ -58,14 +61,14 @@ class RooflineConstants:
     source is in docs/perfmodel.md."""
 
     # fitted (H200, Llama-3.1-8B shapes; bench/perfmodel_calibration.py --fit)
-    gemm_efficiency: float = 1.0204  # c0 = gemm_efficiency * gpu.flops / num_sms: per-SM GEMM rate
-    partition_boost: float = 0.1436  # max per-SM clock gain when few SMs are busy (power headroom)
+    gemm_efficiency: float = 1.0189  # c0 = gemm_efficiency * gpu.flops / num_sms: per-SM GEMM rate
+    partition_boost: float = 0.1166  # max per-SM clock gain when few SMs are busy (power headroom)
     hbm_efficiency: float = 1.1163  # D_max = hbm_efficiency * gpu.bandwidth (bound: datasheet 4.8 TB/s)
-    sm_bandwidth: float = 58.29e9  # bytes/s one SM streams while HBM is not saturated
-    knee_sharpness: float = 1.5657  # p of the smooth min(n * sm_bandwidth, D_max)
-    kernel_overhead: float = 5.64e-6  # s per kernel: launch gap, prologue and tail
-    bw_interference: float = 1.5674  # memory slowdown per unit of co-runner bandwidth share
-    compute_interference: float = 0.5766  # compute slowdown per unit of co-runner bandwidth share
+    sm_bandwidth: float = 58.07e9  # bytes/s one SM streams while HBM is not saturated
+    knee_sharpness: float = 1.5341  # p of the smooth min(n * sm_bandwidth, D_max)
+    kernel_overhead: float = 5.40e-6  # s per kernel: launch gap, prologue and tail
+    bw_interference: float = 1.4026  # memory slowdown per unit of co-runner load rho / (1 - rho)
+    compute_interference: float = 0.2513  # compute slowdown per unit of co-runner load rho / (1 - rho)
     # assumed (not identifiable from the H200 figures: only the 4096 prefill total constrains it)
     attn_efficiency: float = 0.6  # attention FLOP rate / GEMM FLOP rate (FlashAttention-2-class kernels)
     # kernel design (not fitted)
@@ -328,14 +331,17 @@ class RooflineModel:
             if table is None:
                 table = self._co_demand_table(co)
             u = table[co_n]
-        rho = u / self.d_max
         if arr:
+            rho = np.minimum(u / self.d_max, RHO_CAP)
+            q = rho / (1.0 - rho)  # queueing: waits grow as rho / (1 - rho) with the co-runner's load
             bw = self.bw[n]
-            inv_bw = (1.0 + c.bw_interference * rho) * np.maximum(1.0, (bw + u) / self.d_max) / bw
+            inv_bw = (1.0 + c.bw_interference * q) * np.maximum(1.0, (bw + u) / self.d_max) / bw
         else:
+            rho = min(u / self.d_max, RHO_CAP)
+            q = rho / (1.0 - rho)
             bw = self._bw_list[n]
-            inv_bw = (1.0 + c.bw_interference * rho) * max(1.0, (bw + u) / self.d_max) / bw
-        return 1.0 + c.compute_interference * rho, inv_bw
+            inv_bw = (1.0 + c.bw_interference * q) * max(1.0, (bw + u) / self.d_max) / bw
+        return 1.0 + c.compute_interference * q, inv_bw
 
     def _co_demand(self, co: Work, co_sms: int) -> float:
         if len(self._demand) >= 8192:  # bounded: a simulator sees many distinct co-runners
