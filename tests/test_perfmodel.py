@@ -124,6 +124,14 @@ def test_decode_steps_equal_step_by_step_predict(model, co):
         assert np.all(np.diff(steps) >= 0)
 
 
+def test_decode_steps_edge_cases(model):
+    assert model.decode_steps(DECODE_CAL, 0, 36).shape == (0,)
+    one = model.decode_steps(DECODE_CAL, 1, np.int64(36))
+    assert one.shape == (1,) and one[0] == pytest.approx(model.predict(DECODE_CAL, 36), rel=1e-12)
+    with pytest.raises(ValueError, match="one SM count"):
+        model.decode_steps(DECODE_CAL, 3, np.array([8, 16]))
+
+
 def test_contention_slows_both_lanes_and_speeds_none(model):
     for p in (256, 2048, 8192):
         wp = prefill(p)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from math import ceil
+from numbers import Real
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class RooflineConstants:
         for f in fields(self):
             v = getattr(self, f.name)
             may_be_zero = f.name in ("partition_boost", "bw_interference", "compute_interference")
-            if not isinstance(v, (int, float)) or not (v >= 0 if may_be_zero else v > 0):
+            if not isinstance(v, Real) or not (v >= 0 if may_be_zero else v > 0):
                 raise ValueError(f"RooflineConstants.{f.name} must be {'>= 0' if may_be_zero else '> 0'}, "
                                  f"got {v!r}")
         for name in ("tile_m", "tile_m_small", "tile_n", "blocks_per_sm"):
