@@ -6,14 +6,13 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import (POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu,
-                     resolve_model)
+from .config import POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 
 app = typer.Typer(help="bullet: LLM serving with prefill and decode on disjoint SM partitions, and the "
                        "simulator that plans it.", no_args_is_help=True, add_completion=False,
@@ -50,27 +49,27 @@ def _ms(value: float | None) -> float | None:
 def simulate(
     trace: Annotated[str, typer.Option(help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) "
                                             "or a bundled trace name: sharegpt, azure-code, arxiv.")] = "sharegpt",
-    trace_format: Annotated[Optional[str], typer.Option("--format", help="Trace format if detection from "
+    trace_format: Annotated[str | None, typer.Option("--format", help="Trace format if detection from "
                                                         "the header is not wanted: azure, vidur, mooncake, "
                                                         "lengths.")] = None,
     policy: Annotated[Policy, typer.Option(help="Scheduling policy.")] = Policy.chunked,
     model: Annotated[str, typer.Option(help="Model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
                                             "qwen3-8b) or a Hugging Face config.json / model folder.")]
     = "llama-3.1-8b",
-    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel degree (shapes per GPU); default: "
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree (shapes per GPU); default: "
                                                    "the preset's.")] = None,
     gpu: Annotated[str, typer.Option(help="GPU preset: h200, h100, a100.")] = "h200",
-    rate: Annotated[Optional[float], typer.Option(help="Request rate (req/s): rescales a timed trace's "
+    rate: Annotated[float | None, typer.Option(help="Request rate (req/s): rescales a timed trace's "
                                                        "arrivals, or generates arrivals for a length-only "
                                                        "one. Default: the trace's own timing.")] = None,
     arrival: Annotated[Arrival, typer.Option(help="Arrival process when arrivals are generated.")]
     = Arrival.poisson,
     cv: Annotated[float, typer.Option(help="Coefficient of variation of inter-arrival times (gamma).")] = 1.0,
-    num_requests: Annotated[Optional[int], typer.Option(help="Use the first N requests of the trace.")]
+    num_requests: Annotated[int | None, typer.Option(help="Use the first N requests of the trace.")]
     = None,
     slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in ms.")] = 3000.0,
     slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
-    slo_ttft_per_token: Annotated[Optional[float], typer.Option(
+    slo_ttft_per_token: Annotated[float | None, typer.Option(
         help="TTFT SLO in ms per prompt token (Bullet paper: ShareGPT 3.0, Azure-Code 1.5, arXiv 1.5); "
              "overrides --slo-ttft.")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
@@ -79,24 +78,24 @@ def simulate(
     prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition (a "
                                                   "multiple of the GPU's granule); decode gets the rest.")]
     = 96,
-    layers_per_step: Annotated[Optional[int], typer.Option(help="Split policies: prefill layers per "
+    layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per "
                                                                "launch (default: all).")] = None,
     block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
-    num_blocks: Annotated[Optional[int], typer.Option(help="KV cache blocks (default: sized from GPU "
+    num_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: sized from GPU "
                                                            "memory).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, "
                                                                "activations and KV cache.")] = 0.9,
     seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).")] = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
+    out: Annotated[Path | None, typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
                                                      "and timeline.csv.")] = None,
     parquet: Annotated[bool, typer.Option(help="Write requests.parquet instead of requests.csv.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress "
                                                          "goes to stderr).")] = False,
 ) -> None:
     """Simulate serving a trace on a virtual GPU and print latency, throughput and SLO attainment."""
-    from .traces import TraceError, load_trace
-
     from simulator import simulate as run_simulation
+
+    from .traces import TraceError, load_trace
 
     try:
         model_spec = resolve_model(model, tp)

@@ -44,6 +44,17 @@ class BlockManager:
             table.append(self._free.pop())
         return table
 
+    def grow(self, wants: list[tuple[int, int]]) -> None:
+        """``allocate`` for many existing tables at once (the fused-decode hot path); all or nothing."""
+        bs, tables, free = self.block_size, self.tables, self._free
+        needs = [(tables[rid], -(-tokens // bs) - len(tables[rid])) for rid, tokens in wants]
+        total = sum(n for _, n in needs)
+        if total > len(free):
+            raise KvCacheError(f"{len(wants)} requests need {total} blocks, {len(free)} free")
+        for table, n in needs:
+            for _ in range(n):
+                table.append(free.pop())
+
     def free(self, req_id: int) -> int:
         """Return every block of ``req_id`` to the pool (finish or preemption); returns how many."""
         table = self.tables.pop(req_id, None)

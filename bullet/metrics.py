@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -53,17 +54,13 @@ def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.nda
 
 
 def inter_token_latencies(reqs: Sequence[Request]) -> np.ndarray:
-    """All gaps between consecutive tokens of each request (a request's times may be floats and arrays)."""
-    gaps = []
-    for r in reqs:
-        parts = r.token_times
-        if len(parts) == 1 and not isinstance(parts[0], float):
-            times = np.asarray(parts[0])
-        else:
-            times = np.hstack(parts)
-        if times.size > 1:
-            gaps.append(np.diff(times))
-    return np.concatenate(gaps) if gaps else np.zeros(0)
+    """All gaps between consecutive output tokens of each request, pooled."""
+    lens = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
+    times = np.fromiter(chain.from_iterable(r.token_times for r in reqs), float, int(lens.sum()))
+    gaps = np.diff(times)
+    keep = np.ones(gaps.size, bool)
+    keep[np.cumsum(lens)[:-1] - 1] = False  # the step from one request's last token to the next's first
+    return gaps[keep]
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:

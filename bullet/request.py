@@ -25,8 +25,7 @@ class Request:
     """One request. Phase is implied: the next forward pass covers positions ``[num_computed, known)``
     where ``known = prompt_len + num_output``; it samples a token when it reaches ``known``.
 
-    ``token_times`` holds the completion time of each output token, as floats or as numpy arrays of
-    consecutive tokens (a fused decode stretch shares one array among all its requests)."""
+    ``token_times`` holds the completion time of each output token."""
 
     id: int
     arrival: float
@@ -37,7 +36,7 @@ class Request:
     num_computed: int = 0
     num_output: int = 0
     output_ids: list[int] = field(default_factory=list)
-    token_times: list = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -36,10 +36,11 @@ def default_latency_model(model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
 
 
 def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched: SchedulerConfig,
-             cache: CacheConfig = CacheConfig(), slo: SloConfig = SloConfig(),
+             cache: CacheConfig | None = None, slo: SloConfig | None = None,
              latency: LatencyModel | None = None,
              on_finish: Callable[[Request], None] | None = None) -> SimulationResult:
     t0 = time.perf_counter()
+    cache, slo = cache or CacheConfig(), slo or SloConfig()
     latency = CachedDecodeSteps(latency or default_latency_model(model, gpu))
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size)
     scheduler = make_scheduler(sched, model, gpu, kv, latency)

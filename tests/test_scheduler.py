@@ -61,12 +61,12 @@ def run(policy, reqs, num_blocks=None, checks=None, **cfg):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_conserves_tokens_in_order(policy):
     reqs = make_requests(200, seed=1)
-    done, steps, sched = run(policy, reqs, layers_per_step=8 if "split" in policy else None)
+    done, _steps, sched = run(policy, reqs, layers_per_step=8 if "split" in policy else None)
     assert len(done) == len(reqs)
     for r in done:
         assert r.num_output == r.max_new_tokens
         assert r.output_ids == list(range(r.prompt_len, r.prompt_len + r.max_new_tokens))
-        times = np.hstack(r.token_times)
+        times = np.asarray(r.token_times)
         assert len(times) == r.max_new_tokens
         assert np.all(np.diff(times) >= 0) and times[0] >= r.arrival
         assert r.finish_time == pytest.approx(times[-1])
@@ -99,7 +99,7 @@ def test_progress_under_kv_pressure(policy):
         for r in sched.running:  # every running request's table covers what it has computed
             assert len(sched.kv.tables.get(r.id, ())) * 16 >= r.num_computed
 
-    done, steps, sched = run(policy, reqs, num_blocks=220, checks=check)
+    done, _steps, sched = run(policy, reqs, num_blocks=220, checks=check)
     assert len(done) == 60
     assert sched.num_preemptions > 0
     for r in done:
@@ -140,7 +140,7 @@ def test_lone_request_matches_the_latency_model_by_hand():
 def test_fused_stretch_equals_single_steps():
     """Fusing decode steps between events is only a speed-up: max_decode_steps=1 gives the same times."""
     reqs = make_requests(120, seed=5)
-    kw = dict(latency=LinearLatency(MODEL.num_layers))
+    kw = {"latency": LinearLatency(MODEL.num_layers)}
     fused = simulate(reqs, MODEL, GPU, SchedulerConfig(policy="chunked"), **kw)
     single = simulate(make_requests(120, seed=5), MODEL, GPU,
                       SchedulerConfig(policy="chunked", max_decode_steps=1), **kw)

@@ -141,8 +141,11 @@ class Scheduler:
         return horizon
 
     def _decoders(self) -> list[Request]:
+        """Idle running requests whose next pass is a one-token decode step (``Request.is_decoding``,
+        inlined: this runs once per launch)."""
         busy = self.busy
-        return [r for r in self.running if r.id not in busy and r.is_decoding]
+        return [r for r in self.running
+                if r.num_output and r.prompt_len + r.num_output - r.num_computed == 1 and r.id not in busy]
 
     def _decode_batch(self, lane: Lane, partition: Partition, reqs: list[Request], now: float,
                       horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch | None:
@@ -173,9 +176,7 @@ class Scheduler:
             work = Work(self.model.num_layers, n, n, float(kv_sum + n), kv_sum + n, n, True)
             cum = np.cumsum(self.latency.decode_steps(work, steps, partition.num_sms, co, co_sms))
             steps = max(1, min(steps, int(np.searchsorted(cum, horizon - now, side="right"))))
-        for r in reqs:
-            if r.num_computed + steps > len(tables[r.id]) * bs:
-                kv.allocate(r.id, r.num_computed + steps)
+        kv.grow([(r.id, r.num_computed + steps) for r in reqs if r.num_computed + steps > len(tables[r.id]) * bs])
         chunks = tuple(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs)
         return self._launch(lane, Batch(partition, self.all_layers, chunks, steps), reqs)
 
@@ -212,28 +213,30 @@ class Scheduler:
             return []
         steps = batch.steps
         tokens = res.tokens
+        self.busy.difference_update([r.id for r in reqs])
+        ends = [res.end] if steps == 1 else list(res.step_ends)
+        first_end = ends[0]
         done: list[Request] = []
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
-            self.busy.discard(r.id)
             r.num_computed = c.start + c.num_tokens + steps - 1
             if not c.sample:
                 continue
-            n_new, eos = steps, False
+            n_new = steps
             if tokens is not None:
-                new = [int(t) for t in tokens[:, j]]
+                new = tokens[:, j].tolist()
                 if not r.sampling.ignore_eos and self.eos_token_id in new:
-                    new = new[:new.index(self.eos_token_id) + 1]
-                    n_new, eos = len(new), True
+                    n_new = new.index(self.eos_token_id) + 1
+                    del new[n_new:]
                 r.output_ids.extend(new)
-            if steps == 1:
-                r.token_times.append(res.end)
+            if n_new == steps:
+                r.token_times.extend(ends)
             else:
-                r.token_times.append(res.step_ends[:n_new] if eos else res.step_ends)
+                r.token_times.extend(ends[:n_new])
             if r.first_token_time is None:
-                r.first_token_time = res.step_ends[0]
+                r.first_token_time = first_end
             r.num_output += n_new
-            if eos or r.num_output >= r.max_new_tokens:
-                self._finish(r, res.step_ends[n_new - 1])
+            if n_new < steps or r.num_output >= r.max_new_tokens:
+                self._finish(r, ends[n_new - 1])
                 done.append(r)
         return done
 
