@@ -34,8 +34,9 @@ def make_pool(ctx_lens: list[int], kvh: int, d: int, page: int, device, dtype, s
     for i, n in enumerate(need):
         bt[i, :n] = perm[at:at + n].to(torch.int32)
         at += n
-    k = torch.randn(total, page, kvh, d, generator=g).to(device=device, dtype=dtype)
-    v = torch.randn(total, page, kvh, d, generator=g).to(device=device, dtype=dtype)
+    gd = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(total, page, kvh, d, generator=gd, device=device).to(dtype)
+    v = torch.randn(total, page, kvh, d, generator=gd, device=device).to(dtype)
     return k, v, bt.to(device)
 
 

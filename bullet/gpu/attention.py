@@ -159,8 +159,9 @@ class DecodeBuffers:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+              v_cache: torch.Tensor, scale: float, decode_config: dict | None = None) -> torch.Tensor:
     """``q``: ``[T, H, D]``; ``k``/``v``: ``[T, KVH, D]`` of the new tokens (already stored in the pool).
+    ``decode_config``: launch options of the decode kernel (block_n, num_warps, num_stages, num_splits).
     Returns ``[T, H, D]``."""
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -168,7 +169,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     nd = meta.num_decode
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                               scale, meta.max_context, out=out[:nd])
+                               scale, meta.max_context, out=out[:nd], **(decode_config or {}))
     if nd == meta.num_seqs:
         return out
     assert meta.ctx_lens is not None, "multi-token chunks need host-side lengths (use build_meta)"

@@ -89,6 +89,7 @@ class Model:
                 w_down=get(p + "mlp.down_proj.weight").contiguous()))
         self.cos_sin = rope_cache(spec, self.device)
         self.scale = spec.head_dim ** -0.5
+        self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned)
 
     def forward(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
@@ -124,7 +125,7 @@ class Model:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        o = attention(q, k, v, meta, k_cache, v_cache, self.scale)
+        o = attention(q, k, v, meta, k_cache, v_cache, self.scale, self.decode_config)
         return F.linear(o.view(T, H * D), layer.wo)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:

@@ -27,15 +27,18 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> tor
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None = None,
+def sample(logits: torch.Tensor, temperature: torch.Tensor | None, top_p: torch.Tensor | None = None,
            seeds: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[B]`` token ids from float32 ``logits [B, vocab]``.
 
-    ``temperature [B]``: 0 means greedy. ``top_p [B]`` (None: no nucleus cut, and no sort) keeps the smallest
+    ``temperature [B]``: 0 means greedy; None means every row is greedy (argmax only: the cheap path, for
+    batches the host knows to be all-greedy). ``top_p [B]`` (None: no nucleus cut, and no sort) keeps the smallest
     set of most likely tokens whose probability reaches ``top_p``. ``seeds [B]`` / ``offsets [B]`` (e.g. the
     request's seed and the position being sampled) fix the noise; None means 0."""
     B, V = logits.shape
     greedy = logits.argmax(dim=-1)
+    if temperature is None:
+        return greedy
     temp = temperature.to(device=logits.device, dtype=torch.float32)
     t_safe = torch.where(temp > 0, temp, torch.ones_like(temp))
     probs = torch.softmax(logits / t_safe[:, None], dim=-1)

@@ -18,13 +18,14 @@ if HAVE_TRITON:
     def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cslot, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
-                             PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                             num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                             D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+                             PRECISION: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         ctx = tl.load(CL + s * stride_cl)
-        per = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = sp * per
         hi = tl.minimum(lo + per, ctx)
         offs_g = tl.arange(0, GP)
@@ -56,7 +57,7 @@ if HAVE_TRITON:
             m_i = m_new
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
-        if NUM_SPLITS == 1:
+        if DIRECT:
             tl.store(OUT + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(OUT.dtype.element_ty), mask=gmask[:, None])
         else:
@@ -66,13 +67,13 @@ if HAVE_TRITON:
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
 
     @triton.jit
-    def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh,
-                              D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP2: tl.constexpr):
+    def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
+                              D: tl.constexpr, SP2: tl.constexpr):
         s = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_sp = tl.arange(0, SP2)
         offs_d = tl.arange(0, D)
-        spmask = offs_sp < NUM_SPLITS
+        spmask = offs_sp < num_splits
         lse = tl.load(LP + (s * stride_ps + h * stride_ph) // D + offs_sp, mask=spmask, other=float("-inf"))
         m = tl.max(lse, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)
@@ -95,7 +96,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: i
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context: int, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]``;
@@ -112,7 +114,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     G = H // KVH
-    block_n = 64 if D <= 128 else 32
+    block_n = block_n or (64 if D <= 128 else 32)
     splits = num_splits or decode_splits(S, KVH, max_context, block_n)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if splits == 1:
@@ -125,12 +127,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(S, KVH, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp,
-        PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
+        PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1),
-                                      D=D, NUM_SPLITS=splits, SP2=next_pow2(splits), num_warps=4)
+        _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
+                                      D=D, SP2=next_pow2(splits), num_warps=4)
     return out
 
 
