@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--layers-per-step", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=4, help="decode steps fused into one launch")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--pairs", default="", help="comma-separated prefill SM counts (default: the whole menu)")
@@ -53,7 +54,8 @@ def main() -> None:
     t0 = time.perf_counter()
     menu = PartitionMenu.create(0)
     t_menu = time.perf_counter() - t0
-    dec_blocks = -(-(args.context + 1) // bs)
+    S = args.decode_steps
+    dec_blocks = -(-(args.context + S) // bs)
     pre_blocks = -(-args.prefill_tokens // bs)
     num_blocks = B * dec_blocks + pre_blocks + 64
     ex = GpuExecutor(spec, "dummy", args.device, block_size=bs, num_blocks=num_blocks, menu=menu, seed=0,
@@ -75,8 +77,12 @@ def main() -> None:
     def prefill_batches(part: Partition) -> list[Batch]:
         return [Batch(part, range(i, min(i + step, L)), (pre_chunk,)) for i in range(0, L, step)]
 
-    def decode_batch(part: Partition) -> Batch:
-        return Batch(part, range(L), dec_chunks)
+    def decode_batch(part: Partition, steps: int = S) -> Batch:
+        return Batch(part, range(L), dec_chunks, steps)
+
+    def step_spans(r) -> list[tuple[float, float]]:
+        ends = list(r.step_ends)
+        return list(zip([r.start] + ends[:-1], ends))
 
     def prefill_alone(part: Partition) -> float:
         res = []
@@ -86,11 +92,12 @@ def main() -> None:
         return res[-1].end - res[0].start
 
     def decode_alone(part: Partition, n: int = 10) -> float:
+        """Median time of one decode step (one graph replay) inside fused launches."""
         times = []
         for _ in range(n):
             ex.launch(decode_batch(part))
             (r,) = ex.wait(None)
-            times.append(r.end - r.start)
+            times += [b - a for a, b in step_spans(r)]
         return statistics.median(times)
 
     def concurrent(pp: Partition, dp: Partition) -> tuple[float, float, float, int]:
@@ -111,8 +118,9 @@ def main() -> None:
                     if slices or ex.busy("prefill"):
                         ex.launch(decode_batch(dp))
         a, z = pre[0].start, pre[-1].end
-        n = sum(max(0.0, min(r.end, z) - max(r.start, a)) / (r.end - r.start) for r in dec)
-        return z - a, n, statistics.median(r.end - r.start for r in dec), len(dec)
+        spans = [s for r in dec for s in step_spans(r)]
+        n = sum(max(0.0, min(e, z) - max(s, a)) / (e - s) for s, e in spans)
+        return z - a, n, statistics.median(e - s for s, e in spans), len(spans)
 
     # warm-up (kernels, cuBLAS handles, graphs) and the whole-GPU references
     full = Partition("all", full_sms)
@@ -122,37 +130,45 @@ def main() -> None:
     t_pf_full = statistics.median(prefill_alone(full) for _ in range(args.reps + 1))
     t_dec_full = decode_alone(full, 20)
 
-    sizes = [int(s) for s in args.pairs.split(",") if s] or sorted(menu.pairs)
-    rows = []
-    for p in sizes + ["naive"]:
+    def measure(p) -> dict:
         if p == "naive":
             pp, dp = Partition("prefill", full_sms), Partition("decode", full_sms)
-            label, psms, dsms = "naive", full_sms, full_sms
+            label = "naive"
         else:
             pair = menu.pair(p)
-            psms, dsms = pair.prefill.num_sms, pair.decode.num_sms
-            pp, dp = Partition("prefill", psms), Partition("decode", dsms)
-            label = f"{psms}/{dsms}"
+            pp, dp = Partition("prefill", pair.prefill.num_sms), Partition("decode", pair.decode.num_sms)
+            label = f"{pp.num_sms}/{dp.num_sms}"
         ex.capture("decode", dp.num_sms, [B])
         prefill_alone(pp)  # warm this stream
         t_pf_alone = prefill_alone(pp)
         t_dec_alone = decode_alone(dp, 5)
         runs = [concurrent(pp, dp) for _ in range(args.reps)]
         t_c = statistics.median(r[0] for r in runs)
-        n = statistics.median(r[1] for r in runs)
         t_dec_c = statistics.median(r[2] for r in runs)
-        ratio = statistics.median((t_pf_full + r[1] * t_dec_full) / r[0] for r in runs)
-        rows.append({"pair": label, "prefill_sms": psms, "decode_sms": dsms, "t_prefill_alone_part": t_pf_alone,
-                         "t_decode_alone_part": t_dec_alone, "t_concurrent": t_c, "decode_steps": n,
-                         "t_decode_concurrent": t_dec_c, "prefill_slowdown": t_c / t_pf_alone,
-                         "decode_slowdown": t_dec_c / t_dec_alone, "ratio": ratio})
-        print(f"  {label:>8}: ratio {ratio:.3f}", flush=True)
+        row = {"pair": label, "prefill_sms": pp.num_sms, "decode_sms": dp.num_sms,
+               "t_prefill_alone_part": t_pf_alone, "t_decode_alone_part": t_dec_alone, "t_concurrent": t_c,
+               "decode_steps": statistics.median(r[1] for r in runs), "t_decode_concurrent": t_dec_c,
+               "prefill_slowdown": t_c / t_pf_alone, "decode_slowdown": t_dec_c / t_dec_alone,
+               "ratio": statistics.median((t_pf_full + r[1] * t_dec_full) / r[0] for r in runs),
+               "ratios": [(t_pf_full + r[1] * t_dec_full) / r[0] for r in runs]}
+        print(f"  {label:>8}: prefill {t_pf_alone * 1e3:.1f} ms alone, {t_c * 1e3:.1f} co; decode step "
+              f"{t_dec_alone * 1e3:.2f} alone, {t_dec_c * 1e3:.2f} co, {row['decode_steps']:.1f} steps; "
+              f"ratio {row['ratio']:.3f} {' '.join(f'{x:.3f}' for x in row['ratios'])}", flush=True)
+        return row
+
+    sizes = [int(s) for s in args.pairs.split(",") if s] or sorted(menu.pairs)
+    rows = []
+    for p in sizes + ["naive"]:
+        try:
+            rows.append(measure(p))
+        except RuntimeError as e:  # report and go on (a CUDA error may be sticky: later pairs then fail too)
+            print(f"  pair {p}: FAILED {str(e).splitlines()[0]}", flush=True)
 
     best = max((r for r in rows if r["pair"] != "naive"), key=lambda r: r["ratio"])
     print()
     print(f"{spec.name}, dummy weights, {gpu_name}, torch {torch.__version__}; "
           f"prefill {args.prefill_tokens} tokens in slices of {step} layers; decode {B} x {args.context} "
-          f"context (graphs per partition)")
+          f"context, {S} steps per launch (graphs per partition)")
     print(f"partition menu: {len(menu.pairs)} pairs, green={menu.green}, {menu.memory_bytes / 2**20:.0f} MiB of "
           f"device memory, made in {t_menu:.2f} s")
     print(f"whole GPU alone: prefill {t_pf_full * 1e3:.1f} ms, decode step {t_dec_full * 1e3:.2f} ms")

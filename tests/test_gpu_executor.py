@@ -151,6 +151,21 @@ def test_launch_rules(weights):
     assert 0 not in ex._reqs
 
 
+def test_block_tables_for_graphs(weights):
+    """Host block tables for decode graphs: appended blocks are picked up, a new list is converted afresh,
+    and the table is wide enough for every fused step (the in-graph advance reads it)."""
+    ex = direct_executor(weights)  # block_size 4
+    table = [5, 6]
+    c = Chunk(0, 7, 1, table, True)
+    assert ex._block_table(c).tolist() == [5, 6]
+    table.append(9)
+    assert ex._block_table(c).tolist() == [5, 6, 9]
+    fresh = [1, 2, 3]
+    assert ex._block_table(c._replace(block_ids=fresh)).tolist() == [1, 2, 3]
+    pos, bt = ex._decode_tables([Chunk(0, 7, 1, fresh, True), Chunk(1, 3, 1, (4, 8), True)], steps=2)
+    assert pos.tolist() == [7, 3] and bt.tolist() == [[1, 2, 3], [4, 8, 0]]  # position 8 needs block 2
+
+
 def test_seeded_sampling_is_deterministic(weights):
     from bullet.request import SamplingParams
 
@@ -201,6 +216,13 @@ def test_gpu_corun_equals_alone(gpu_menu):
     tokens each gives alone on the same partitions."""
     spec = dataclasses.replace(MODELS["llama-3.1-8b"], num_layers=4)
     ex = GpuExecutor(spec, "dummy", "cuda", block_size=16, num_blocks=4096, seed=0, menu=gpu_menu)
+    try:
+        _corun(ex, spec)
+    finally:
+        ex.close()  # before the menu's streams go: its pinned buffers were used on them
+
+
+def _corun(ex, spec):
     rng = np.random.default_rng(0)
     dec_prompt = [tuple(int(x) for x in rng.integers(0, spec.vocab_size, 300)) for _ in range(16)]
     pre_prompt = tuple(int(x) for x in rng.integers(0, spec.vocab_size, 3000))
@@ -245,4 +267,3 @@ def test_gpu_corun_equals_alone(gpu_menu):
     assert overlapped
     assert np.array_equal(results["prefill"].tokens, pa.tokens)
     assert np.array_equal(results["decode"].tokens, da.tokens)
-    ex.close()

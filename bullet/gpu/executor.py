@@ -65,6 +65,9 @@ class _ReqState:
     next_pos: int = -1  # position of the last sampled token (the next decode input), -1: none yet
     out_start: int | None = None  # position of the first sampled token (== prompt length)
     outputs: list[int] = field(default_factory=list)  # sampled ids read back, in position order
+    table: np.ndarray | None = None  # host copy of the block table (int32), grown by appends
+    table_len: int = 0
+    table_src: object = None  # the Chunk.block_ids object it mirrors (the block manager's live list)
 
 
 @dataclass(slots=True)
@@ -98,7 +101,7 @@ class GpuExecutor:
                  reserved_bytes: int = 4 << 30, menu: PartitionMenu | None = None, use_graphs: bool = True,
                  seed: int = 0, dtype: torch.dtype | None = None, weights: dict | None = None,
                  max_requests: int = 16384, graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 graph_max_context: int = 16384) -> None:
+                 graph_max_context: int = 16384, poll_s: float = 0.0) -> None:
         self._t0 = time.perf_counter()
         self.spec = spec
         self.device = torch.device(device)
@@ -107,6 +110,7 @@ class GpuExecutor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
         self.seed = seed
+        self.poll_s = poll_s  # sleep between event polls while several lanes are in flight (0: yield)
         self.block_size = block_size
         if weights is None:
             weights = load_weights(spec, weights_source, self.device, self.dtype, seed=seed)
@@ -177,12 +181,13 @@ class GpuExecutor:
                     if left > 0:
                         time.sleep(left)
                 return []
-            if until is None:
-                min(self._inflight.values(), key=lambda f: f.order).done_ev.synchronize()
+            if until is None and len(self._inflight) == 1:
+                next(iter(self._inflight.values())).done_ev.synchronize()
                 continue
-            if self.now() >= until:
+            if until is not None and self.now() >= until:
                 return []
-            time.sleep(min(1e-4, max(0.0, until - self.now())))
+            # several lanes in flight: poll them all, so the first to finish is seen first
+            time.sleep(self.poll_s)
 
     def release(self, req_id: int) -> None:
         """Forget a finished request: its last-token slot and read-back tokens."""
@@ -191,8 +196,13 @@ class GpuExecutor:
             self._free_slots.append(st.slot)
 
     def close(self) -> None:
+        """Finish the device's work and drop the graphs and pinned buffers (they were used on the menu's
+        streams, which must outlive them), then close the menu if this executor made it."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._inflight.clear()
+        self._held.clear()
         if self._own_menu:  # a menu passed in belongs to the caller
             self.menu.close()
 
@@ -355,7 +365,8 @@ class GpuExecutor:
         bs = lg.fits(chunks, steps)
         greedy, temp, top_p, seeds, offsets = self._sampling_args(chunks, steps)
         graph = lg.capture(side, bs, greedy)
-        lg.prepare(chunks, ids, bs, greedy, temp, top_p, seeds, offsets)
+        positions, tables = self._decode_tables(chunks, steps)
+        lg.prepare(positions, tables, ids, bs, greedy, temp, top_p, seeds, offsets)
         n = len(chunks)
         toks = torch.empty((steps, n), dtype=torch.int64, device=self.device)
         for k in range(steps):
@@ -363,6 +374,38 @@ class GpuExecutor:
             toks[k].copy_(lg.out[:n])
             record()
         return toks
+
+    def _decode_tables(self, chunks: Sequence[Chunk], steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions and block tables (wide enough for every fused step) of one-token chunks."""
+        B = self.block_size
+        positions = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        need = int(positions.max()) + steps - 1
+        need = need // B + 1
+        tables = np.zeros((len(chunks), need), np.int32)
+        for i, c in enumerate(chunks):
+            t = self._block_table(c)
+            k = min(len(t), need)
+            tables[i, :k] = t[:k]
+        return positions, tables
+
+    def _block_table(self, c: Chunk) -> np.ndarray:
+        """``c.block_ids`` as int32, from a per-request host copy that only converts appended blocks when
+        the chunk carries the same (append-only) list as last time; otherwise converted afresh."""
+        st = self._state(c.req_id)
+        ids, n, t, have = c.block_ids, len(c.block_ids), st.table, st.table_len
+        if st.table_src is ids and t is not None and n >= have and (have == 0 or t[have - 1] == ids[have - 1]):
+            if n > have:
+                if n > len(t):
+                    grown = np.empty(max(n, 2 * len(t)), np.int32)
+                    grown[:have] = t[:have]
+                    t = grown
+                t[have:n] = ids[have:n]
+        else:
+            t = np.empty(max(n, 16), np.int32)
+            t[:n] = ids
+            st.table_src = ids
+        st.table, st.table_len = t, n
+        return t[:n]
 
     def _eager_steps(self, chunks, sampling, x, layers: range, steps: int, record) -> torch.Tensor | None:
         samp = [chunks[j] for j in sampling]

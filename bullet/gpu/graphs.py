@@ -122,12 +122,14 @@ class LaneGraphs:
         return g
 
     # ------------------------------------------------------------------ replay
-    def prepare(self, chunks: Sequence[Chunk], ids: torch.Tensor, bs: int, greedy: bool,
+    def prepare(self, positions: np.ndarray, tables: np.ndarray, ids: torch.Tensor, bs: int, greedy: bool,
                 temperature: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                 seeds: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
-        """Load the first step's inputs (on the current stream, which must be the replay stream)."""
-        n = len(chunks)
-        self.bufs.fill(chunks, bs=bs)
+        """Load the first step's inputs (on the current stream, which must be the replay stream):
+        ``positions[i]`` of row i's new token and its block table ``tables[i]``, which must already cover
+        every fused step (the in-graph advance reads the table, nothing refills it)."""
+        n = len(positions)
+        self.bufs.fill_arrays(positions, tables, bs=bs)
         self.bufs.input_ids[:n].copy_(ids)
         if not greedy:
             self.temperature[:n].copy_(temperature)

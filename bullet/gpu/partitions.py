@@ -61,8 +61,8 @@ class PartitionMenu:
     # ------------------------------------------------------------------ creation
     @classmethod
     def create(cls, device: int = 0, granule: int = 8, sizes: list[int] | None = None) -> PartitionMenu:
-        """The menu for ``device``: one pair per prefill size (default granule, 2*granule, ... up to the
-        largest that leaves a remainder). Green contexts where the driver supports them, else a fallback."""
+        """The menu for ``device``: one pair per prefill size (default: :func:`default_sizes`). Green
+        contexts where the driver supports them, else a fallback."""
         try:
             import torch
         except ImportError:  # the core imports without torch; a menu without torch has no streams
@@ -100,7 +100,7 @@ class PartitionMenu:
             raise _Unsupported(f"cuDeviceGetDevResource: {_name(driver, err)}")
         check(err, "cuDeviceGetDevResource")
         num_sms = int(whole.sm.smCount)
-        sizes = sizes or list(range(granule, num_sms - granule + 1, granule))
+        sizes = sizes or default_sizes(num_sms, granule)
         menu = cls(device, num_sms, granule, True, {}, Side(torch.cuda.Stream(device), num_sms, "all"),
                    (Side(torch.cuda.Stream(device), num_sms, "naive-a"),
                     Side(torch.cuda.Stream(device), num_sms, "naive-b")))
@@ -153,7 +153,7 @@ class PartitionMenu:
         s = streams or [None, None, None]
         full = Side(s[0], total, "all")
         naive = (Side(s[1], total, "naive-a"), Side(s[2], total, "naive-b"))
-        sizes = sizes or list(range(granule, max(total, 2 * granule) - granule + 1, granule))
+        sizes = sizes or default_sizes(max(total, 4 * granule), granule)
         # Without partitions each "pair" is the two naive whole-GPU streams: correct, not isolated.
         pairs = {p: Pair(p, naive[0], naive[1]) for p in sizes}
         return cls(device, total, granule, False, pairs, full, naive)
@@ -237,6 +237,13 @@ class PartitionMenu:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def default_sizes(num_sms: int, granule: int) -> list[int]:
+    """Prefill sizes of the default menu: granule steps leaving at least two granules to each side.
+    Smaller halves exist (the driver gives 8 + 124 or 120 + 12 on an H200), but cuBLAS failed on a 12-SM
+    partition (CUBLAS_STATUS_EXECUTION_FAILED for the decode GEMMs), and such slivers do little work."""
+    return list(range(2 * granule, num_sms - 2 * granule + 1, granule))
 
 
 class _Unsupported(Exception):
