@@ -189,13 +189,23 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="num_sms"):
         m.predict(DECODE_CAL, np.array([8, N + 1]))
     with pytest.raises(ValueError, match="co_sms"):
-        m.predict(DECODE_CAL, 100, DECODE_CAL, 40)
+        m.predict(DECODE_CAL, 100, DECODE_CAL, N + 1)
     with pytest.raises(ValueError, match="co_sms"):
         m.predict(DECODE_CAL, np.array([8, 100]), DECODE_CAL, np.array([8, 40]))
     with pytest.raises(TypeError, match="bogus"):
         RooflineModel(LLAMA8B, H200, bogus=1.0)
     with pytest.raises(ValueError, match="kernel_overhead"):
         RooflineModel(LLAMA8B, H200, kernel_overhead=-1.0)
+
+
+def test_overlapping_lanes_share_sms(model):
+    """Naive concurrency: both lanes on all SMs time-share them, slower than a disjoint split's lane on
+    its half, which is itself slower than alone."""
+    prefill = Work(32, 4096, 1, 4096 * 4097 / 2, 4096, 1, True)
+    alone = model.predict(prefill, N)
+    shared = model.predict(prefill, N, DECODE_CAL, N)
+    assert shared > model.predict(prefill, N, DECODE_CAL, N // 2) > alone
+    assert shared == pytest.approx(model.predict(prefill, N // 2, DECODE_CAL, N // 2))
 
 
 def test_sampling_and_embedding_add_time(model):

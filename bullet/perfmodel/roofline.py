@@ -218,6 +218,8 @@ class RooflineModel:
         n, arr = self._sms(num_sms)
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
+        if not arr and co is not None:
+            n, co_sms = self._shared(n, co_sms)
         cf, inv_bw = self._contention(n, arr, co, co_sms)
         rest = self._rest(work, n, arr, cf, inv_bw)
         att = self._attention(work.attn_pairs, work.kv_read, work.tokens, n, arr, cf, inv_bw)
@@ -234,6 +236,8 @@ class RooflineModel:
             raise ValueError("decode_steps takes one SM count")
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
+        if co is not None:
+            n, co_sms = self._shared(n, co_sms)
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
         grow = np.arange(steps, dtype=np.float64) * work.seqs
@@ -307,6 +311,18 @@ class RooflineModel:
         if n.size and (n.min() < 1 or n.max() > self.num_sms):
             raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
         return n, True
+
+    def _shared(self, n: int, co_sms: int) -> tuple[int, int]:
+        """Overlapping lanes (both on the whole GPU: naive concurrency) time-share the SMs they have in
+        common: each is modelled on its own SMs plus half of the shared ones, then contends for HBM as
+        disjoint lanes do. An assumption, not a measurement (BACKGROUND.md has no co-run on full SMs)."""
+        if not 0 <= co_sms <= self.num_sms:
+            raise ValueError(f"co_sms={co_sms!r} must be in 0..{self.num_sms}")
+        overlap = n + int(co_sms) - self.num_sms
+        if overlap <= 0:
+            return n, co_sms
+        half = overlap // 2
+        return max(1, n - half), max(1, int(co_sms) - (overlap - half))
 
     def _contention(self, n, arr: bool, co: Work | None, co_sms):
         """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``."""

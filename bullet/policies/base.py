@@ -180,6 +180,16 @@ class Scheduler:
         chunks = tuple(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs)
         return self._launch(lane, Batch(partition, self.all_layers, chunks, steps), reqs)
 
+    def _one_step(self, reqs: list[Request]) -> list[Request]:
+        """KV for one more token of each request, preempting the newest idle ones when short; returns
+        those still running."""
+        kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
+        grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= len(tables[r.id]) * bs]
+        if len(grow) > kv.num_free:
+            return self._make_room(reqs)
+        kv.grow(grow)
+        return reqs
+
     def _make_room(self, reqs: list[Request]) -> list[Request]:
         """Reserve one step of KV for each request, preempting the newest idle ones when short."""
         for r in list(reqs):

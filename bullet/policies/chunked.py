@@ -18,17 +18,10 @@ class ChunkedPrefill(Scheduler):
                 return None
             return self._decode_batch(lane, self.whole_gpu, decoders, now, self.arrival_horizon(horizon))
         budget = self.cfg.max_batched_tokens
-        chunks: list[Chunk] = []
-        reqs = []
+        reqs = self._one_step(decoders[:budget])
         tables = self.kv.tables
-        for r in decoders[:budget]:
-            if r.num_computed == 0 or not self._reserve(r, r.num_computed + 1):
-                if r.num_computed:
-                    self.preempt(r)
-                continue
-            chunks.append(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling))
-            reqs.append(r)
-            self.busy.add(r.id)
+        chunks = [Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs]
+        self.busy.update(r.id for r in reqs)
         self._take_prefills(budget - len(chunks), chunks, reqs)
         if not chunks:
             return None
