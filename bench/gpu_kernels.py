@@ -25,6 +25,7 @@ from bullet.batch import Chunk
 from bullet.config import MODELS
 from bullet.gpu.attention import DecodeBuffers, build_meta
 from bullet.gpu.kernels.decode_attention import paged_decode_attention
+from bullet.gpu.kernels.gemv import gemv
 from bullet.gpu.kvcache import PagedKvCache
 from bullet.gpu.model import Model
 from bullet.gpu.sampling import sample
@@ -125,9 +126,10 @@ def main() -> None:
     cl = torch.full((BS,), CTX, dtype=torch.int32, device=dev)
     attn_bytes = BS * CTX * KVH * D * 2 * 2
     sweep = {}
-    configs = [{"block_n": bn, "num_warps": nw, "num_stages": st, "num_splits": 1}
-               for bn in (32, 64, 128) for nw in (4, 8) for st in (2, 3)]
-    configs += [{"block_n": 64, "num_warps": 4, "num_stages": 2, "num_splits": sp} for sp in (2, 4)]
+    configs = [{"block_n": bn, "num_warps": nw, "num_stages": st, "num_splits": 1, "head_first": hf}
+               for hf in (True, False) for bn in (64, 128) for nw in (4, 8) for st in (2, 3, 4)]
+    configs += [{"block_n": 64, "num_warps": 4, "num_stages": 3, "num_splits": sp, "head_first": True}
+                for sp in (2, 4)]
     for cfg in configs:
         try:
             t = timeit(lambda cfg=cfg: paged_decode_attention(q, kv.k[0], kv.v[0], bt, cl, D**-0.5, CTX, **cfg),
@@ -148,6 +150,62 @@ def main() -> None:
     best_cfg.pop("num_splits")
     model.decode_config = best_cfg
     res["decode_config"] = best_cfg
+
+    # --- prefill attention alone: SDPA variants at 4096 tokens (causal, no prefix) -----------------------
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qp = torch.randn(1, H, T_PRE, D, device=dev, dtype=torch.bfloat16)
+    kp = torch.randn(1, KVH, T_PRE, D, device=dev, dtype=torch.bfloat16)
+    vp = torch.randn(1, KVH, T_PRE, D, device=dev, dtype=torch.bfloat16)
+    attn_flops = 4 * H * D * T_PRE * (T_PRE + 1) / 2
+    variants = {"default": {}, "flash": {"backends": [SDPBackend.FLASH_ATTENTION]},
+                "cudnn": {"backends": [SDPBackend.CUDNN_ATTENTION]},
+                "gqa": {"enable_gqa": True}, "gqa+flash": {"enable_gqa": True, "backends": [SDPBackend.FLASH_ATTENTION]},
+                "gqa+cudnn": {"enable_gqa": True, "backends": [SDPBackend.CUDNN_ATTENTION]}}
+
+    def sdpa(cfg):
+        gqa = cfg.get("enable_gqa", False)
+        kk = kp if gqa else kp.repeat_interleave(H // KVH, dim=1)
+        vv = vp if gqa else vp.repeat_interleave(H // KVH, dim=1)
+        kw = {"enable_gqa": True} if gqa else {}
+        if not cfg.get("backends"):
+            return torch.nn.functional.scaled_dot_product_attention(qp, kk, vv, is_causal=True, **kw)
+        with sdpa_kernel(cfg["backends"]):
+            return torch.nn.functional.scaled_dot_product_attention(qp, kk, vv, is_causal=True, **kw)
+
+    sdpa_times = {}
+    for name, cfg in variants.items():
+        try:
+            sdpa_times[name] = timeit(lambda cfg=cfg: sdpa(cfg), 2, 10)
+        except Exception as e:  # noqa: BLE001 - a backend may not take these inputs
+            print("sdpa", name, "failed:", type(e).__name__, str(e)[:200])
+    best_sdpa = min(sdpa_times, key=sdpa_times.get)
+    res["sdpa_s"] = sdpa_times
+    for name, t in sdpa_times.items():
+        rows.append((f"prefill attn 4096 causal, 1 layer, SDPA {name}", f"{t * 1e3:.3f} ms",
+                     f"{attn_flops / t / 1e12:.0f} TFLOP/s", "<- used" if name == best_sdpa else ""))
+    model.prefill_config = {k: v for k, v in variants[best_sdpa].items()}
+    res["prefill_config"] = best_sdpa
+    # linear layers alone at 4096 tokens (cuBLAS), all 32 layers
+    xa = torch.randn(T_PRE, hid, device=dev, dtype=torch.bfloat16)
+    xf = torch.randn(T_PRE, spec.ffn_per_gpu, device=dev, dtype=torch.bfloat16)
+    xq = torch.randn(T_PRE, spec.q_size, device=dev, dtype=torch.bfloat16)
+
+    def gemms(xa=xa, xf=xf, xq=xq):
+        F = torch.nn.functional
+        for layer in model.layers:
+            F.linear(xa, layer.wqkv)
+            F.linear(xq, layer.wo)
+            F.linear(xa, layer.w_gate_up)
+            F.linear(xf, layer.w_down)
+
+    t_gemm = timeit(gemms, 2, 5)
+    lin_flops = 2 * T_PRE * L * (hid * (spec.q_size + 2 * spec.kv_size) + spec.q_size * hid
+                                 + 3 * hid * spec.ffn_per_gpu)
+    res["prefill_gemms_s"] = t_gemm
+    rows.append(("prefill 4096: the 4 GEMMs x 32 layers alone", f"{t_gemm * 1e3:.2f} ms",
+                 f"{lin_flops / t_gemm / 1e12:.0f} TFLOP/s", ""))
+    del xa, xf, xq
 
     # --- prefill 4096 tokens ----------------------------------------------------------------------------
     chunk = Chunk(0, 0, T_PRE, tuple(range(dec_blocks, dec_blocks + pre_blocks)), True)
@@ -182,6 +240,51 @@ def main() -> None:
         g, _ = capture(step)
         t_graph = timeit(g.replay, 3, args.reps)
         return t_eager, t_graph
+
+    def gemm_only(n: int, cfg: dict | None = None) -> float:
+        F = torch.nn.functional
+        xa = torch.randn(n, hid, device=dev, dtype=torch.bfloat16)
+        xf = torch.randn(n, spec.ffn_per_gpu, device=dev, dtype=torch.bfloat16)
+
+        def lin(x, w):
+            return F.linear(x, w) if cfg is None else gemv(x, w, **cfg)
+
+        def run():
+            for layer in model.layers:
+                lin(xa, layer.wqkv)
+                lin(xa, layer.wo)
+                lin(xa, layer.w_gate_up)
+                lin(xf, layer.w_down)
+            return lin(xa, model.lm_head)
+
+        g, _ = capture(run)
+        return timeit(g.replay, 3, args.reps)
+
+    for n in (1, BS):
+        t = gemm_only(n)
+        res[f"decode{n}_gemms_graph_s"] = t
+        rows.append((f"decode {n}: GEMMs only (32 x 4 + lm_head), cuBLAS, graph", f"{t * 1e3:.2f} ms",
+                     f"{weight_read / t / 1e12:.2f} TB/s", ""))
+    t_cublas1 = res["decode1_gemms_graph_s"]
+    gemv_sweep = {}
+    for bn in (4, 8, 16):
+        for bk in (256, 512, 1024):
+            for nw in ((4, 8) if bk == 1024 else (4,)):
+                cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": 3}
+                try:
+                    gemv_sweep[json.dumps(cfg)] = gemm_only(1, cfg)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print("gemv", cfg, "failed:", type(e).__name__, str(e)[:200])
+    res["gemv_sweep_s"] = gemv_sweep
+    if gemv_sweep:
+        best_gemv = min(gemv_sweep, key=gemv_sweep.get)
+        t = gemv_sweep[best_gemv]
+        use = t < t_cublas1
+        rows.append((f"decode 1: GEMVs only, Triton {best_gemv}", f"{t * 1e3:.2f} ms",
+                     f"{weight_read / t / 1e12:.2f} TB/s", "<- used" if use else ""))
+        if use:
+            model.gemv_config = json.loads(best_gemv)
+            res["gemv_config"] = model.gemv_config
 
     t_eager, t_graph = decode_step(BS, CTX // B)
     kv_read = BS * CTX * spec.kv_bytes_per_token

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from bullet.gpu.kernels.activation import silu_mul
 from bullet.gpu.kernels.decode_attention import paged_decode_attention
+from bullet.gpu.kernels.gemv import gemv
 from bullet.gpu.kernels.norm import rms_norm
 from bullet.gpu.kernels.rope import rope_and_store
 
@@ -57,14 +58,14 @@ def decode_reference(q, k, v, bt, ctx_lens, scale) -> torch.Tensor:
     return out
 
 
-def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits=None):
+def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits=None, **options):
     k, v, bt = make_pool(ctx_lens, kvh, d, page, device, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(ctx_lens), h, d, generator=g).to(device=device, dtype=dtype)
     cl = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    paged_decode_attention(q, k, v, bt, cl, scale, max(ctx_lens), num_splits=num_splits, out=out)
+    paged_decode_attention(q, k, v, bt, cl, scale, max(ctx_lens), num_splits=num_splits, out=out, **options)
     ref = decode_reference(q, k, v, bt, ctx_lens, scale)
     assert rel(out, ref) < tol, rel(out, ref)
     for i, c in enumerate(ctx_lens):
@@ -177,6 +178,8 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     check_decode([1, 77, 1000, 4000], 32, 8, 128, 16, "cuda", torch.float32, 8, tol=1e-5)
     for splits in (1, 2, 7, 64):
         check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
+    for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2}):
+        check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
 
 
 @pytest.mark.gpu
@@ -205,3 +208,26 @@ def test_gpu_rms_norm_and_silu(n):
     zd = z.double()
     assert rel(silu_mul(z), zd[:, :n] * torch.sigmoid(zd[:, :n]) * zd[:, n:]) < 1e-2
     assert math.isfinite(float(silu_mul(z).float().sum()))
+
+
+def check_gemv(device, dtype, n, k, bias, tol, **options):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(n, k, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
+    y = gemv(x, w, b, **options)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.shape == (1, n) and rel(y, want) < tol
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_cpu(bias):
+    check_gemv("cpu", torch.float32, 37, 300, bias, 1e-5, block_n=8, block_k=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (4608, 3584), (1000, 333)])
+@pytest.mark.parametrize("options", [{}, {"block_n": 4, "block_k": 1024}, {"block_n": 16, "block_k": 256}])
+def test_gpu_gemv(shape, options):
+    check_gemv("cuda", torch.bfloat16, *shape, bias=shape[0] == 4608, tol=1e-2, **options)
+    check_gemv("cuda", torch.float32, *shape, bias=True, tol=1e-5, **options)

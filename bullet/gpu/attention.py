@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from ..batch import Chunk
 from .kernels.decode_attention import paged_decode_attention
@@ -159,9 +160,12 @@ class DecodeBuffers:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, scale: float, decode_config: dict | None = None) -> torch.Tensor:
+              v_cache: torch.Tensor, scale: float, decode_config: dict | None = None,
+              prefill_config: dict | None = None) -> torch.Tensor:
     """``q``: ``[T, H, D]``; ``k``/``v``: ``[T, KVH, D]`` of the new tokens (already stored in the pool).
-    ``decode_config``: launch options of the decode kernel (block_n, num_warps, num_stages, num_splits).
+    ``decode_config``: launch options of the decode kernel (block_n, num_warps, num_stages, num_splits,
+    head_first). ``prefill_config``: ``backends`` (a list of ``torch.nn.attention.SDPBackend`` to allow) and
+    ``enable_gqa`` (pass KV heads unexpanded to SDPA).
     Returns ``[T, H, D]``."""
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -176,6 +180,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     B = meta.block_size
     row = nd
     k_flat, v_flat = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)
+    cfg = prefill_config or {}
+    gqa = bool(cfg.get("enable_gqa")) and H != KVH
     for i in range(nd, meta.num_seqs):
         n, ctx = meta.q_lens[i], meta.ctx_lens[i]
         prefix = ctx - n
@@ -189,10 +195,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
             ki, vi = k_flat[slots], v_flat[slots]
             mask = torch.arange(ctx, device=q.device)[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]
             causal = False
-        ki = ki.repeat_interleave(H // KVH, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, ctx, D]
-        vi = vi.repeat_interleave(H // KVH, dim=1).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, is_causal=causal,
-                                           scale=scale)
+        if not gqa:
+            ki, vi = ki.repeat_interleave(H // KVH, dim=1), vi.repeat_interleave(H // KVH, dim=1)
+        ki = ki.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, H (or KVH), ctx, D]
+        vi = vi.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        kwargs = {"enable_gqa": True} if gqa else {}
+        if cfg.get("backends") and mask is None:  # a backend list is for the causal path (no prefix)
+            with sdpa_kernel(cfg["backends"]):
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale,
+                                                   **kwargs)
+        else:
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, **kwargs)
         out[row:row + n] = o[0].transpose(0, 1)
         row += n
     return out

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..config import ModelSpec
 from .attention import AttnMeta, attention
 from .kernels.activation import silu_mul
+from .kernels.gemv import gemv
 from .kernels.norm import rms_norm
 from .kernels.rope import rope_and_store
 from .kvcache import PagedKvCache
@@ -90,6 +91,8 @@ class Model:
         self.cos_sin = rope_cache(spec, self.device)
         self.scale = spec.head_dim ** -0.5
         self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned)
+        self.prefill_config: dict = {}  # SDPA options of the prefill path (bench-tuned)
+        self.gemv_config: dict | None = None  # one-row launches: Triton GEMV with these options (None: cuBLAS)
 
     def forward(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
@@ -118,22 +121,27 @@ class Model:
         spec = self.spec
         H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
         T = xn.shape[0]
-        qkv = F.linear(xn, layer.wqkv, layer.bqkv)
+        qkv = self._linear(xn, layer.wqkv, layer.bqkv)
         k_cache, v_cache = kv.layer(i)
         rope_and_store(qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, H, KVH, D,
                        layer.q_norm, layer.k_norm, spec.rms_norm_eps)
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        o = attention(q, k, v, meta, k_cache, v_cache, self.scale, self.decode_config)
-        return F.linear(o.view(T, H * D), layer.wo)
+        o = attention(q, k, v, meta, k_cache, v_cache, self.scale, self.decode_config, self.prefill_config)
+        return self._linear(o.view(T, H * D), layer.wo)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down)
+        return self._linear(silu_mul(self._linear(xn, layer.w_gate_up)), layer.w_down)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gemv_config is not None and x.shape[0] == 1 and x.is_contiguous():
+            return gemv(x, w, b, **self.gemv_config)
+        return F.linear(x, w, b)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``."""
-        return F.linear(hidden.index_select(0, rows), self.lm_head).float()
+        return self._linear(hidden.index_select(0, rows), self.lm_head).float()
 
 
 # --- reference: plain torch, no paging, no fusion (for tests) --------------------------------------------

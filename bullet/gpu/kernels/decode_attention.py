@@ -20,9 +20,13 @@ if HAVE_TRITON:
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                             PRECISION: tl.constexpr):
-        s = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
+                             PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr):
+        if HEAD_FIRST:  # neighbouring programs share a sequence: they read the same pages together
+            kvh = tl.program_id(0)
+            s = tl.program_id(1).to(tl.int64)
+        else:
+            s = tl.program_id(0).to(tl.int64)
+            kvh = tl.program_id(1)
         sp = tl.program_id(2)
         ctx = tl.load(CL + s * stride_cl)
         per = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -97,7 +101,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 3, head_first: bool = True) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]``;
@@ -124,12 +128,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         op = torch.empty((S, H, splits, D), device=q.device, dtype=torch.float32)
         lp = torch.empty((S, H, splits), device=q.device, dtype=torch.float32)
         sps, sph, spsp = op.stride(0), op.stride(1), op.stride(2)
-    _decode_split_kernel[(S, KVH, splits)](
+    grid = (KVH, S, splits) if head_first else (S, KVH, splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=precision, HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
                                       D=D, SP2=next_pow2(splits), num_warps=4)
