@@ -13,6 +13,31 @@ straddling its end counted by the fraction that fell inside), and the ``*_alone_
 whole-GPU stream. ``naive`` is both lanes on ordinary whole-GPU streams (no partitioning).
 
     python bench/gpu_concurrency.py [--reps 2] [--out results.json]
+
+Measured 2026-11-30 on one H200 (driver 580.159.04, torch 2.11.0+cu130, cuda.bindings 13.3.1, Triton 3.6),
+`python3 bench/gpu_concurrency.py --reps 2` (slices of 4 layers, 4 decode steps per launch): menu of 13 pairs
+(16/116 ... 112/20), 214 MiB of device memory, made in 0.38 s; whole GPU alone: prefill 215.9 ms, decode step
+13.35 ms.
+
+| pair P/D | prefill ms (alone on P) | concurrent ms | decode steps | step ms alone/co | prefill slow | ratio |
+|---|---|---|---|---|---|---|
+| 16/116 | 1323.1 | 1845.8 | 118.0 | 13.85 / 15.40 | 1.40x | 0.970 |
+| 32/100 | 668.7 | 893.7 | 49.3 | 15.32 / 17.90 | 1.34x | 0.978 |
+| 48/84 | 450.8 | 594.0 | 31.6 | 15.26 / 18.54 | 1.32x | 1.074 |
+| 56/76 | 387.6 | 525.9 | 26.9 | 15.34 / 19.40 | 1.36x | 1.094 |
+| 64/68 | 347.6 | 461.4 | 21.3 | 16.84 / 21.27 | 1.33x | 1.085 |
+| 72/60 | 311.1 | 407.0 | 17.1 | 18.39 / 23.36 | 1.31x | 1.093 |
+| 80/52 | 291.8 | 372.1 | 14.8 | 19.58 / 24.95 | 1.28x | 1.112 |
+| 88/44 | 272.8 | 335.2 | 11.6 | 22.58 / 28.69 | 1.23x | 1.106 |
+| 96/36 | 265.1 | 304.2 | 8.9 | 26.86 / 34.37 | 1.15x | 1.099 |
+| 104/28 | 251.4 | 280.9 | 6.4 | 34.45 / 43.80 | 1.12x | 1.074 |
+| 112/20 | 239.3 | 254.8 | 4.0 | 50.62 / 58.89 | 1.06x | 1.057 |
+| naive | 217.5 | 253.7 | 3.2 | 13.38 / 79.71 | 1.17x | 1.020 |
+
+Best 1.11x (80/52, 88/44): under the 1.2x target. Co-running slows both sides by 1.2-1.4x (shared HBM/L2,
+power); without that contention 80/52 would give (215.9 + 291.8 / 19.58 * 13.35) / 291.8 = 1.42x. Whole
+prefill launches (`--layers-per-step 32 --decode-steps 8`) gave the same (best 1.105x), and 128 x 1024 decode
+(BACKGROUND.md's shape) 1.054x.
 """
 
 from __future__ import annotations
