@@ -40,9 +40,17 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - len(table)
         if need > len(self._free):
             raise KvCacheError(f"request {req_id} needs {need} blocks, {len(self._free)} free")
-        for _ in range(need):
-            table.append(self._free.pop())
+        if need > 0:
+            self._take(table, need)
         return table
+
+    def _take(self, table: list[int], n: int) -> None:
+        """Move ``n`` blocks from the top of the free stack to ``table`` (in pop order)."""
+        free = self._free
+        taken = free[-n:]
+        del free[-n:]
+        taken.reverse()
+        table.extend(taken)
 
     def grow(self, wants: list[tuple[int, int]]) -> None:
         """``allocate`` for many existing tables at once (the fused-decode hot path); all or nothing."""
@@ -52,8 +60,10 @@ class BlockManager:
         if total > len(free):
             raise KvCacheError(f"{len(wants)} requests need {total} blocks, {len(free)} free")
         for table, n in needs:
-            for _ in range(n):
+            if n == 1:
                 table.append(free.pop())
+            elif n > 0:
+                self._take(table, n)
 
     def free(self, req_id: int) -> int:
         """Return every block of ``req_id`` to the pool (finish or preemption); returns how many."""

@@ -19,7 +19,7 @@ class _Flight:
     batch: Batch
     work: Work
     start: float
-    fracs: np.ndarray | None  # cumulative fraction of the work at each fused step's end
+    cum: np.ndarray | None  # a fused launch: each step's end, seconds after start at the first rate
     duration: float = 0.0  # at the current rate
     progress: float = 0.0  # fraction done at ``mark``
     mark: float = 0.0
@@ -65,10 +65,10 @@ class SimExecutor:
             co, co_sms = self._co(f)
             sms = f.batch.partition.num_sms
             if f.batch.steps > 1:
-                per_step = self.latency.decode_steps(f.work, f.batch.steps, sms, co, co_sms)
-                duration = float(per_step.sum())
-                if f.fracs is None:
-                    f.fracs = np.cumsum(per_step) / duration
+                cum = np.cumsum(self.latency.decode_steps(f.work, f.batch.steps, sms, co, co_sms))
+                duration = float(cum[-1])
+                if f.cum is None:
+                    f.cum = cum
             else:
                 duration = float(self.latency.predict(f.work, sms, co, co_sms))
             if f.duration:  # already running: conserve progress, change rate
@@ -88,14 +88,15 @@ class SimExecutor:
             return  # re-timed since: a stale timer
         del self._flights[lane]
         end = self.env.now
-        if f.fracs is None:
+        if f.cum is None:
             step_ends = (end,)
         elif not f.knots:
-            step_ends = f.start + f.fracs * (end - f.start)
-        else:
+            step_ends = f.start + f.cum
+            step_ends[-1] = end
+        else:  # the rate changed on the way: map each step's share of the work onto the timeline
             ts = [f.start] + [t for t, _ in f.knots] + [end]
             ps = [0.0] + [p for _, p in f.knots] + [1.0]
-            step_ends = np.interp(f.fracs, ps, ts)
+            step_ends = np.interp(f.cum / f.cum[-1], ps, ts)
             step_ends[-1] = end
         self._done.append(StepResult(f.batch, f.start, end, step_ends, None))
         if self._flights:

@@ -210,6 +210,7 @@ class RooflineModel:
         else:
             self._ar_fixed = self._ar_per_token = 0.0
         self._demand: dict[tuple[Work, int], float | np.ndarray] = {}  # (co, co_sms or -1: all)
+        self._rest_memo: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ the LatencyModel protocol
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
@@ -424,7 +425,19 @@ class RooflineModel:
         return max(t_m, t_c)
 
     def _rest(self, work: Work, n, arr: bool, cf, inv_bw):
-        """Everything but attention: layer GEMMs, memory-only kernels, LM head, overheads, all-reduce."""
+        """Everything but attention: layer GEMMs, memory-only kernels, LM head, overheads, all-reduce.
+        Scalar results are memoised: decode launches repeat the same (tokens, SMs, contention)."""
+        if arr:
+            return self._rest_of(work, n, True, cf, inv_bw)
+        key = (work.tokens, work.num_layers, work.samples, work.embed, n, cf, inv_bw)
+        out = self._rest_memo.get(key)
+        if out is None:
+            if len(self._rest_memo) >= 65536:
+                self._rest_memo.clear()
+            out = self._rest_memo[key] = self._rest_of(work, n, False, cf, inv_bw)
+        return out
+
+    def _rest_of(self, work: Work, n, arr: bool, cf, inv_bw):
         t, L, s = work.tokens, work.num_layers, work.samples
         sh = self._small if t <= self._small.bm else self._big
         mt = -(-t // sh.bm)

@@ -155,28 +155,33 @@ class Scheduler:
         The hot path of a simulation: plain Python over the (usually few) requests beats numpy here."""
         kv, bs = self.kv, self.kv.block_size
         tables = kv.tables
-        need1 = kv_sum = 0
+        spare = []  # tokens that still fit in each request's blocks
+        kv_sum = need1 = 0
         left = self.cfg.max_decode_steps
         for r in reqs:
             c = r.num_computed
-            need1 += c >= len(tables[r.id]) * bs
+            s = len(tables[r.id]) * bs - c
+            spare.append(s)
+            need1 += s <= 0
             kv_sum += c
-            left = min(left, r.max_new_tokens - r.num_output)
+            if r.max_new_tokens - r.num_output < left:
+                left = r.max_new_tokens - r.num_output
         if need1 > kv.num_free:  # rare: make room for one step by preempting
             reqs = self._make_room(reqs)
             if not reqs:
                 return None
+            spare = [len(tables[r.id]) * bs - r.num_computed for r in reqs]
             kv_sum = sum(r.num_computed for r in reqs)
             left = min(self.cfg.max_decode_steps, min(r.max_new_tokens - r.num_output for r in reqs))
         steps = left
         if steps > 1:
-            steps = self._kv_steps(reqs, steps)
+            steps = self._kv_steps(spare, steps)
         if steps > 1 and horizon is not None:
             n = len(reqs)
             work = Work(self.model.num_layers, n, n, float(kv_sum + n), kv_sum + n, n, True)
             cum = np.cumsum(self.latency.decode_steps(work, steps, partition.num_sms, co, co_sms))
             steps = max(1, min(steps, int(np.searchsorted(cum, horizon - now, side="right"))))
-        kv.grow([(r.id, r.num_computed + steps) for r in reqs if r.num_computed + steps > len(tables[r.id]) * bs])
+        kv.grow([(r.id, r.num_computed + steps) for r, s in zip(reqs, spare) if s < steps])
         chunks = tuple(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs)
         return self._launch(lane, Batch(partition, self.all_layers, chunks, steps), reqs)
 
@@ -197,11 +202,10 @@ class Scheduler:
                 self.preempt(r)
         return [r for r in reqs if r.num_computed > 0]
 
-    def _kv_steps(self, reqs: list[Request], steps: int) -> int:
+    def _kv_steps(self, spare: list[int], steps: int) -> int:
         """The most fused steps (<= ``steps``) whose KV growth fits in the free blocks (one step is known
-        to fit)."""
-        bs, free, tables = self.kv.block_size, self.kv.num_free, self.kv.tables
-        spare = [len(tables[r.id]) * bs - r.num_computed for r in reqs]  # tokens that fit in held blocks
+        to fit); ``spare``: tokens that still fit in each request's blocks."""
+        bs, free = self.kv.block_size, self.kv.num_free
 
         def need(k: int) -> int:
             return sum(-(-(k - s) // bs) for s in spare if k > s)
