@@ -9,8 +9,8 @@ runs eagerly on the host inside ``launch`` (tests and development).
 Timing: CUDA events around each launch (and one per fused step). Their times are converted to the
 executor's clock (``time.perf_counter()`` since creation) through a reference event recorded, and waited
 for, at creation: ``t = t_ref + ref.elapsed_time(event)``. They are the GPU's own start/end, not the moment
-the host noticed (which can be later by the polling interval). On the CPU path the host clock is read around
-each step.
+the host noticed (which can be later by the polling interval); the GPU timer and the host clock may drift
+apart by a few ppm over a long run. On the CPU path the host clock is read around each step.
 
 Inputs: ``Chunk.token_ids`` where the host has them; otherwise positions before a request's first sampled
 token get deterministic synthetic ids (:func:`synthetic_ids`, seeded by request id and position), the
@@ -21,9 +21,16 @@ Layer-granular prefill: a launch whose ``layers`` stop short of the last layer k
 executor (one per lane) for the launch that continues it; only the launch that reaches the last layer
 samples. Decode launches whose chunks fit a graph bucket replay decode CUDA graphs (graphs.py) captured on
 the very partition they run on; ``steps > 1`` replays the step graph back to back, each step feeding its
-sampled ids to the next on the device.
+sampled ids to the next on the device (the block tables loaded for the first step already cover every step:
+``steps`` fused steps need each request's table to hold ``start + steps`` tokens at launch).
 
-The only host sync per launch is the one that reads the sampled tokens (after the end event).
+The only host sync per launch is the one that reads the sampled tokens (after the end event); ``wait``
+blocks on an event only while a single lane is in flight, and otherwise polls every lane's end event (so the
+lane that finishes first is seen first). The eager path's ``build_meta`` copies its metadata from pageable
+memory, which waits for the lane's stream; the graph path fills pinned buffers asynchronously.
+
+Lifetime: ``close()`` synchronizes and drops the graphs and pinned buffers, which were used on the menu's
+streams; close the executor before closing a menu it was given (a menu it made itself it closes).
 """
 
 from __future__ import annotations
