@@ -178,7 +178,8 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     check_decode([1, 77, 1000, 4000], 32, 8, 128, 16, "cuda", torch.float32, 8, tol=1e-5)
     for splits in (1, 2, 7, 64):
         check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
-    for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2}):
+    for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2},
+                    {"offsets32": False}):
         check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
 
 

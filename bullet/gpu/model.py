@@ -129,7 +129,7 @@ class Model:
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, self.decode_config, self.prefill_config)
-        return self._linear(o.view(T, H * D), layer.wo)
+        return self._linear(o.reshape(T, H * D), layer.wo)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:
         return self._linear(silu_mul(self._linear(xn, layer.w_gate_up)), layer.w_down)

@@ -20,7 +20,7 @@ if HAVE_TRITON:
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                             PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr):
+                             PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr):
         if HEAD_FIRST:  # neighbouring programs share a sequence: they read the same pages together
             kvh = tl.program_id(0)
             s = tl.program_id(1).to(tl.int64)
@@ -46,7 +46,9 @@ if HAVE_TRITON:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < hi
-            page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
+            if not OFF32:  # 32-bit offsets where the layer's pool has < 2^31 elements: fewer instructions
+                page = page.to(tl.int64)
             slot = page * PAGE + offs_n % PAGE
             kv_off = slot[:, None] * stride_cslot + head_off + offs_d[None, :]
             k = tl.load(KC + kv_off, mask=nmask[:, None], other=0.0)
@@ -101,7 +103,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int = 3, head_first: bool = True) -> torch.Tensor:
+                           num_stages: int = 3, head_first: bool = True,
+                           offsets32: bool | None = None) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]``;
@@ -134,7 +137,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
-        PRECISION=precision, HEAD_FIRST=head_first, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=precision, HEAD_FIRST=head_first,
+        OFF32=k_cache.numel() < 2**31 if offsets32 is None else offsets32 and k_cache.numel() < 2**31,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
                                       D=D, SP2=next_pow2(splits), num_warps=4)
