@@ -35,8 +35,9 @@ class Chunk(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One launch on one lane. ``steps > 1`` fuses that many decode steps (every chunk one token, each
-    step feeding the token sampled by the last); policies size it to end at the next scheduling event."""
+    """One launch on one lane. ``steps > 1`` fuses steps: the chunks as given, then ``steps - 1`` decode
+    steps of every chunk, each feeding the token the step before sampled (so every chunk must sample and
+    the launch covers all layers). Policies size it to end at the next scheduling event."""
 
     partition: Partition
     layers: range  # all layers, or a slice: layer-granular prefill
@@ -44,8 +45,8 @@ class Batch:
     steps: int = 1  # sampling happens in the launch whose layer slice reaches the last layer
 
     def __post_init__(self) -> None:
-        if self.steps > 1 and any(c.num_tokens != 1 or not c.sample for c in self.chunks):
-            raise ValueError("a fused multi-step batch holds only one-token decode chunks")
+        if self.steps > 1 and not all(c.sample for c in self.chunks):
+            raise ValueError("a fused multi-step batch needs every chunk to sample")
 
     @property
     def num_tokens(self) -> int:

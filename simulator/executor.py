@@ -12,6 +12,7 @@ import simpy
 
 from bullet.batch import Batch, Lane, StepResult
 from bullet.perfmodel import LatencyModel, Work, work_of
+from bullet.perfmodel.base import step_times
 
 
 @dataclass(slots=True, eq=False)
@@ -65,7 +66,7 @@ class SimExecutor:
             co, co_sms = self._co(f)
             sms = f.batch.partition.num_sms
             if f.batch.steps > 1:
-                cum = np.cumsum(self.latency.decode_steps(f.work, f.batch.steps, sms, co, co_sms))
+                cum = np.cumsum(step_times(self.latency, f.work, f.batch.steps, sms, co, co_sms))
                 duration = float(cum[-1])
                 if f.cum is None:
                     f.cum = cum

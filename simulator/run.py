@@ -13,7 +13,7 @@ from bullet.engine import serve
 from bullet.kvcache import BlockManager
 from bullet.metrics import Timeline, request_columns, summarize
 from bullet.perfmodel import LatencyModel
-from bullet.perfmodel.base import CachedDecodeSteps
+from bullet.perfmodel.base import CachedLatency
 from bullet.policies import make_scheduler
 from bullet.request import Request
 
@@ -41,7 +41,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              on_finish: Callable[[Request], None] | None = None) -> SimulationResult:
     t0 = time.perf_counter()
     cache, slo = cache or CacheConfig(), slo or SloConfig()
-    latency = CachedDecodeSteps(latency or default_latency_model(model, gpu))
+    latency = CachedLatency(latency or default_latency_model(model, gpu))
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size)
     scheduler = make_scheduler(sched, model, gpu, kv, latency)
     timeline = Timeline()

@@ -51,18 +51,39 @@ class LatencyModel(Protocol):
         so step i reads ``work.kv_read + i * work.seqs`` KV tokens."""
 
 
-class CachedDecodeSteps:
-    """Wraps a LatencyModel so that asking again for a prefix of the last fused decode stretch is free:
-    the policy sizes a stretch with ``decode_steps(work, k_max)``, the simulator then times ``k <= k_max``
-    steps of the same work."""
+def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
+               co_sms: int = 0) -> np.ndarray:
+    """Seconds of each step of a fused launch: ``first`` as given, then ``steps - 1`` decode steps of
+    all its sequences (each having sampled a token in the step before)."""
+    if first.tokens == first.seqs:  # the first step is itself a decode step
+        return latency.decode_steps(first, steps, num_sms, co, co_sms)
+    t0 = latency.predict(first, num_sms, co, co_sms)
+    if steps == 1:
+        return np.array([t0])
+    n = first.seqs
+    kv = first.kv_read + n
+    tail = Work(first.num_layers, n, n, float(kv), kv, n, True)
+    return np.concatenate(([t0], latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)))
+
+
+class CachedLatency:
+    """Wraps a LatencyModel so that asking again is free: the policy sizes a fused launch with
+    ``step_times(..., k_max)``, the simulator then times ``k <= k_max`` steps of the same work."""
 
     def __init__(self, model: LatencyModel) -> None:
         self.model = model
         self._key: tuple | None = None
         self._steps = np.zeros(0)
+        self._pkey: tuple | None = None
+        self._pval = 0.0
 
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
-        return self.model.predict(work, num_sms, co, co_sms)
+        if isinstance(num_sms, np.ndarray):
+            return self.model.predict(work, num_sms, co, co_sms)
+        key = (work, num_sms, co, co_sms)
+        if key != self._pkey:
+            self._pkey, self._pval = key, self.model.predict(work, num_sms, co, co_sms)
+        return self._pval
 
     def decode_steps(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
                      co_sms: int = 0) -> np.ndarray:

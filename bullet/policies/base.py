@@ -14,7 +14,8 @@ import numpy as np
 from ..batch import Batch, Chunk, Lane, Partition, StepResult
 from ..config import GpuSpec, ModelSpec, SchedulerConfig
 from ..kvcache import BlockManager
-from ..perfmodel import LatencyModel, Work
+from ..perfmodel import LatencyModel, Work, work_of
+from ..perfmodel.base import step_times
 from ..request import Request
 
 
@@ -150,40 +151,41 @@ class Scheduler:
     def _decode_batch(self, lane: Lane, partition: Partition, reqs: list[Request], now: float,
                       horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch | None:
         """Decode every request in ``reqs`` (growing KV, preempting if short), fused over as many steps
-        as fit before ``horizon``, the first completion, the KV pool and ``max_decode_steps``.
+        as fit before ``horizon``, the first completion, the KV pool and ``max_decode_steps``."""
+        reqs = self._one_step(reqs)
+        if not reqs:
+            return None
+        tables = self.kv.tables
+        chunks = [Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs]
+        return self._fused(lane, partition, chunks, reqs, now, horizon, co, co_sms)
 
-        The hot path of a simulation: plain Python over the (usually few) requests beats numpy here."""
+    def _fused(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], now: float,
+               horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:
+        """Launch ``chunks`` (their KV held; every one samples) and then as many decode steps of all of
+        them as end before ``horizon`` and the first completion, and fit the KV pool and
+        ``max_decode_steps``. The hot path of a simulation: plain Python over the (usually few) requests
+        beats numpy here."""
         kv, bs = self.kv, self.kv.block_size
         tables = kv.tables
-        spare = []  # tokens that still fit in each request's blocks
-        kv_sum = need1 = 0
-        left = self.cfg.max_decode_steps
-        for r in reqs:
-            c = r.num_computed
-            s = len(tables[r.id]) * bs - c
-            spare.append(s)
-            need1 += s <= 0
-            kv_sum += c
-            if r.max_new_tokens - r.num_output < left:
-                left = r.max_new_tokens - r.num_output
-        if need1 > kv.num_free:  # rare: make room for one step by preempting
-            reqs = self._make_room(reqs)
-            if not reqs:
-                return None
-            spare = [len(tables[r.id]) * bs - r.num_computed for r in reqs]
-            kv_sum = sum(r.num_computed for r in reqs)
-            left = min(self.cfg.max_decode_steps, min(r.max_new_tokens - r.num_output for r in reqs))
-        steps = left
-        if steps > 1:
-            steps = self._kv_steps(spare, steps)
-        if steps > 1 and horizon is not None:
-            n = len(reqs)
-            work = Work(self.model.num_layers, n, n, float(kv_sum + n), kv_sum + n, n, True)
-            cum = np.cumsum(self.latency.decode_steps(work, steps, partition.num_sms, co, co_sms))
-            steps = max(1, min(steps, int(np.searchsorted(cum, horizon - now, side="right"))))
-        kv.grow([(r.id, r.num_computed + steps) for r, s in zip(reqs, spare) if s < steps])
-        chunks = tuple(Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs)
-        return self._launch(lane, Batch(partition, self.all_layers, chunks, steps), reqs)
+        extra = self.cfg.max_decode_steps - 1  # decode steps after the first
+        spare = []  # tokens that still fit in each request's blocks after the first step
+        for c, r in zip(chunks, reqs):
+            spare.append(len(tables[r.id]) * bs - c.start - c.num_tokens)
+            left = r.max_new_tokens - r.num_output - 1
+            if left < extra:
+                extra = left
+        if extra > 0:
+            extra = self._kv_steps(spare, extra)
+        first = Batch(partition, self.all_layers, tuple(chunks))
+        if extra > 0 and horizon is not None:
+            work = work_of(first, self.model.num_layers)
+            cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
+            extra = min(extra, int(np.searchsorted(cum, horizon - now, side="right")) - 1)
+        if extra <= 0:
+            return self._launch(lane, first, reqs)
+        kv.grow([(r.id, c.start + c.num_tokens + extra)
+                 for c, r, s in zip(chunks, reqs, spare) if s < extra])
+        return self._launch(lane, Batch(partition, self.all_layers, first.chunks, extra + 1), reqs)
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request, preempting the newest idle ones when short; returns
@@ -203,16 +205,18 @@ class Scheduler:
         return [r for r in reqs if r.num_computed > 0]
 
     def _kv_steps(self, spare: list[int], steps: int) -> int:
-        """The most fused steps (<= ``steps``) whose KV growth fits in the free blocks (one step is known
-        to fit); ``spare``: tokens that still fit in each request's blocks."""
+        """The most steps (<= ``steps``, >= 0) that every request can grow by within the free blocks;
+        ``spare``: tokens that still fit in each request's blocks."""
         bs, free = self.kv.block_size, self.kv.num_free
+        if len(spare) * (steps // bs + 1) <= free:  # the most it could need fits: skip counting
+            return steps
 
         def need(k: int) -> int:
             return sum(-(-(k - s) // bs) for s in spare if k > s)
 
         if need(steps) <= free:
             return steps
-        lo, hi = 1, steps  # need(lo) fits, need(hi) does not
+        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)

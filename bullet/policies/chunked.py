@@ -1,5 +1,6 @@
 """vLLM-V1 / Sarathi-style hybrid batches on the whole GPU: every running decode first, then prefill
-chunks fill what is left of the token budget (``max_batched_tokens``, 8192 by default)."""
+chunks fill what is left of the token budget (``max_batched_tokens``, 8192 by default). When a step
+leaves no prefill work behind, the decode steps after it are fused into the same launch."""
 
 from __future__ import annotations
 
@@ -25,4 +26,6 @@ class ChunkedPrefill(Scheduler):
         self._take_prefills(budget - len(chunks), chunks, reqs)
         if not chunks:
             return None
+        if not self.admissible() and all(c.sample for c in chunks):  # nothing left to prefill next
+            return self._fused(lane, self.whole_gpu, chunks, reqs, now, self.arrival_horizon(horizon))
         return self._launch(lane, Batch(self.whole_gpu, self.all_layers, tuple(chunks)), reqs)
