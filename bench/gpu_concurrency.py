@@ -34,10 +34,15 @@ Measured 2026-11-30 on one H200 (driver 580.159.04, torch 2.11.0+cu130, cuda.bin
 | 112/20 | 239.3 | 254.8 | 4.0 | 50.62 / 58.89 | 1.06x | 1.057 |
 | naive | 217.5 | 253.7 | 3.2 | 13.38 / 79.71 | 1.17x | 1.020 |
 
-Best 1.11x (80/52, 88/44): under the 1.2x target. Co-running slows both sides by 1.2-1.4x (shared HBM/L2,
-power); without that contention 80/52 would give (215.9 + 291.8 / 19.58 * 13.35) / 291.8 = 1.42x. Whole
-prefill launches (`--layers-per-step 32 --decode-steps 8`) gave the same (best 1.105x), and 128 x 1024 decode
-(BACKGROUND.md's shape) 1.054x.
+Best 1.11x (80/52, 88/44): under the 1.2x target. Co-running slows both sides by 1.2-1.4x; without that
+80/52 would give (215.9 + 291.8 / 19.58 * 13.35) / 291.8 = 1.42x. Whole prefill launches
+(`--layers-per-step 32 --decode-steps 8`) gave the same (best 1.105x), and 128 x 1024 decode (BACKGROUND.md's
+shape) 1.054x. Why: the power cap. An nvidia-smi log (clocks.sm, power.draw, clocks_event_reasons every 50
+ms; `--pairs 80,96 --reps 6`, ratio 1.115 / 1.100) shows the whole-GPU prefill already at the 700 W limit (SM
+clock median 1582 MHz, reason 0x4 = software power cap); alone on 80 SMs the prefill runs at 1920 MHz and the
+decode on 52 SMs at 1965 MHz, but together they draw 687-700 W and the clock drops to a median 1530 MHz
+(min 1215): 1920 / 1530 = 1.25x, the slowdown both lanes show. So partitioning cannot add much work on a card
+whose prefill alone is power-bound; the partition-alone times above are at boost clocks.
 """
 
 from __future__ import annotations
@@ -152,7 +157,9 @@ def main() -> None:
     ex.capture("all", full_sms, [B])
     prefill_alone(full)
     decode_alone(full, 3)
+    wall_full = [time.time()]
     t_pf_full = statistics.median(prefill_alone(full) for _ in range(args.reps + 1))
+    wall_full.append(time.time())
     t_dec_full = decode_alone(full, 20)
 
     def measure(p) -> dict:
@@ -165,9 +172,13 @@ def main() -> None:
             label = f"{pp.num_sms}/{dp.num_sms}"
         ex.capture("decode", dp.num_sms, [B])
         prefill_alone(pp)  # warm this stream
+        wall = [time.time()]  # phase boundaries (epoch s), to line up with an external clock/power log
         t_pf_alone = prefill_alone(pp)
+        wall.append(time.time())
         t_dec_alone = decode_alone(dp, 5)
+        wall.append(time.time())
         runs = [concurrent(pp, dp) for _ in range(args.reps)]
+        wall.append(time.time())
         t_c = statistics.median(r[0] for r in runs)
         t_dec_c = statistics.median(r[2] for r in runs)
         row = {"pair": label, "prefill_sms": pp.num_sms, "decode_sms": dp.num_sms,
@@ -175,7 +186,7 @@ def main() -> None:
                "decode_steps": statistics.median(r[1] for r in runs), "t_decode_concurrent": t_dec_c,
                "prefill_slowdown": t_c / t_pf_alone, "decode_slowdown": t_dec_c / t_dec_alone,
                "ratio": statistics.median((t_pf_full + r[1] * t_dec_full) / r[0] for r in runs),
-               "ratios": [(t_pf_full + r[1] * t_dec_full) / r[0] for r in runs]}
+               "ratios": [(t_pf_full + r[1] * t_dec_full) / r[0] for r in runs], "wall": wall}
         print(f"  {label:>8}: prefill {t_pf_alone * 1e3:.1f} ms alone, {t_c * 1e3:.1f} co; decode step "
               f"{t_dec_alone * 1e3:.2f} alone, {t_dec_c * 1e3:.2f} co, {row['decode_steps']:.1f} steps; "
               f"ratio {row['ratio']:.3f} {' '.join(f'{x:.3f}' for x in row['ratios'])}", flush=True)
@@ -212,7 +223,7 @@ def main() -> None:
     if args.out:
         out = {"model": spec.name, "device": gpu_name, "torch": torch.__version__,
                    "args": vars(args), "menu_pairs": menu.describe(), "menu_bytes": menu.memory_bytes,
-                   "t_prefill_full": t_pf_full, "t_decode_full": t_dec_full, "rows": rows}
+                   "t_prefill_full": t_pf_full, "wall_prefill_full": wall_full, "t_decode_full": t_dec_full, "rows": rows}
         tmp = Path(args.out + ".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         tmp.rename(args.out)
