@@ -104,7 +104,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool | None = None) -> torch.Tensor:
+                           offsets32: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]``;
@@ -138,7 +138,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
         PRECISION=precision, HEAD_FIRST=head_first,
-        OFF32=k_cache.numel() < 2**31 if offsets32 is None else offsets32 and k_cache.numel() < 2**31,
+        OFF32=bool(offsets32) and k_cache.numel() < 2**31,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
