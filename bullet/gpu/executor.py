@@ -20,8 +20,9 @@ older output positions (recompute after preemption) come from the tokens already
 Layer-granular prefill: a launch whose ``layers`` stop short of the last layer keeps its hidden state on the
 executor (one per lane) for the launch that continues it; only the launch that reaches the last layer
 samples. Decode launches whose chunks fit a graph bucket replay decode CUDA graphs (graphs.py) captured on
-the very partition they run on; ``steps > 1`` replays the step graph back to back, each step feeding its
-sampled ids to the next on the device (the block tables loaded for the first step already cover every step:
+the very partition they run on; ``steps > 1`` runs the chunks as given (eagerly if some have several tokens)
+and then ``steps - 1`` decode steps of every chunk, replaying the step graph back to back, each step feeding
+its sampled ids to the next on the device (the block tables loaded for the first step already cover every step:
 ``steps`` fused steps need each request's table to hold ``start + steps`` tokens at launch).
 
 The only host sync per launch is the one that reads the sampled tokens (after the end event); ``wait``
@@ -349,10 +350,18 @@ class GpuExecutor:
         slots = None
         if samp:
             slots = self._to_device(np.array([self._state(c.req_id).slot for c in samp], np.int64))
-        if self._graph_ok(batch, chunks, samp):
+        if self._graph_ok(lane, chunks, samp, steps):
             toks = self._graph_steps(lane, side, chunks, x, steps, record)
         else:
-            toks = self._eager_steps(chunks, sampling, x, layers, steps, record)
+            toks = self._eager_steps(chunks, sampling, x, layers, 1, record)
+            if steps > 1:  # a mixed first step, then steps - 1 decode steps of every chunk (all sample)
+                dec = [Chunk(c.req_id, c.start + c.num_tokens, 1, c.block_ids, True, None, c.sampling)
+                       for c in samp]
+                if self._graph_ok(lane, dec, dec, steps - 1):
+                    rest = self._graph_steps(lane, side, dec, toks[0], steps - 1, record)
+                else:
+                    rest = self._eager_steps(dec, range(len(dec)), toks[0], range(L), steps - 1, record)
+                toks = torch.cat([toks, rest])
         if samp:
             self._last.index_copy_(0, slots, toks[-1])
             for c in samp:
@@ -362,10 +371,10 @@ class GpuExecutor:
                     st.out_start = c.start + c.num_tokens
         return toks, cols
 
-    def _graph_ok(self, batch: Batch, chunks: Sequence[Chunk], samp: Sequence[Chunk]) -> bool:
+    def _graph_ok(self, lane: Lane, chunks: Sequence[Chunk], samp: Sequence[Chunk], steps: int) -> bool:
         return (self.use_graphs and len(samp) == len(chunks)
                 and all(c.num_tokens == 1 for c in chunks)
-                and self.graphs(batch.lane).fits(chunks, batch.steps) is not None)
+                and self.graphs(lane).fits(chunks, steps) is not None)
 
     def _graph_steps(self, lane: Lane, side: Side, chunks, ids, steps: int, record) -> torch.Tensor:
         lg = self.graphs(lane)
@@ -419,7 +428,7 @@ class GpuExecutor:
         greedy, temp, top_p, seeds, offsets = self._sampling_args(samp, steps)
         toks = torch.empty((steps, len(samp)), dtype=torch.int64, device=self.device) if samp else None
         for k in range(steps):
-            cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]
+            cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]  # k > 0: decode only
             meta = build_meta(cur, self.block_size, self.device)
             hidden = self.model.forward(x, layers, meta, self.kv)  # steps > 1: layers are all layers
             if samp:
@@ -429,7 +438,7 @@ class GpuExecutor:
                 else:
                     tok = sample(logits, temp, top_p, seeds, offsets + k)
                 toks[k].copy_(tok)
-                x = tok  # fused steps: every chunk is a one-token sampling chunk
+                x = tok  # steps > 1 only for one-token chunks that all sample
             record()
         return toks
 
