@@ -180,7 +180,8 @@ class Scheduler:
         if extra > 0 and horizon is not None:
             work = work_of(first, self.model.num_layers)
             cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
-            extra = min(extra, int(np.searchsorted(cum, horizon - now, side="right")) - 1)
+            # steps that start before the horizon run (the one crossing it included, as unfused steps do)
+            extra = min(extra, int(np.searchsorted(cum, horizon - now, side="left")))
         if extra <= 0:
             return self._launch(lane, first, reqs)
         kv.grow([(r.id, c.start + c.num_tokens + extra)
