@@ -93,8 +93,12 @@ class Scheduler:
         self.running.append(req)
 
     def admissible(self) -> bool:
-        """The head of the queue could start a prefill now (seat and first block free)."""
-        return bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs and self.kv.num_free > 0
+        """The head of the queue could start a prefill now: a seat, and KV for its first chunk."""
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        first = head.num_computed + min(head.remaining, self.cfg.max_batched_tokens)
+        return self.kv.extra_blocks(head.id, first) <= self.kv.num_free
 
     # ---- chunks ------------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
