@@ -214,3 +214,24 @@ def test_slo_config_per_token():
     slo = SloConfig(ttft=None, tpot=0.1, ttft_per_token=0.001)
     assert slo.ttft_target(500) == pytest.approx(0.5)
     assert math.isclose(SloConfig().ttft_target(10), 3.0)
+
+
+def test_inline_work_equals_work_of():
+    """The policy's inline Work of a fused launch's first step equals work_of() of that step, so the
+    simulator's re-ask hits the latency cache."""
+    from bullet.perfmodel import work_of
+
+    seen = []
+
+    class Spy(LinearLatency):
+        def decode_steps(self, work, steps, num_sms, co=None, co_sms=0):
+            seen.append(work)
+            return super().decode_steps(work, steps, num_sms, co, co_sms)
+
+    lat = Spy(MODEL.num_layers)
+    kv = BlockManager(6000, 16)
+    sched = make_scheduler(SchedulerConfig(policy="chunked"), MODEL, GPU, kv, lat)
+    steps = []
+    serve(make_requests(60, seed=11), sched, SimExecutor(lat, MODEL.num_layers), on_step=steps.append)
+    works = {work_of(s.batch, MODEL.num_layers) for s in steps if s.batch.steps > 1}
+    assert works and works <= set(seen) | {w for w in works if w.tokens != w.seqs}

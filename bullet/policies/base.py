@@ -14,7 +14,7 @@ import numpy as np
 from ..batch import Batch, Chunk, Lane, Partition, StepResult
 from ..config import GpuSpec, ModelSpec, SchedulerConfig
 from ..kvcache import BlockManager
-from ..perfmodel import LatencyModel, Work, work_of
+from ..perfmodel import LatencyModel, Work
 from ..perfmodel.base import step_times
 from ..request import Request
 
@@ -173,8 +173,14 @@ class Scheduler:
         tables = kv.tables
         extra = self.cfg.max_decode_steps - 1  # decode steps after the first
         spare = []  # tokens that still fit in each request's blocks after the first step
+        tokens = kv_end = 0
+        pairs = 0.0
         for c, r in zip(chunks, reqs):
-            spare.append(len(tables[r.id]) * bs - c.start - c.num_tokens)
+            n, end = c.num_tokens, c.start + c.num_tokens
+            spare.append(len(tables[r.id]) * bs - end)
+            tokens += n
+            kv_end += end
+            pairs += n * c.start + n * (n + 1) / 2  # as work_of() sums it
             left = r.max_new_tokens - r.num_output - 1
             if left < extra:
                 extra = left
@@ -182,7 +188,8 @@ class Scheduler:
             extra = self._kv_steps(spare, extra)
         first = Batch(partition, self.all_layers, tuple(chunks))
         if extra > 0 and horizon is not None:
-            work = work_of(first, self.model.num_layers)
+            n = len(chunks)
+            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True)  # == work_of(first)
             cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
             # steps that start before the horizon run (the one crossing it included, as unfused steps do)
             extra = min(extra, int(np.searchsorted(cum, horizon - now, side="left")))
