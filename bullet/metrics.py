@@ -124,18 +124,16 @@ class Timeline:
                           len(b.chunks), res.start, res.step_ends))
 
     def write_csv(self, path: Path) -> None:
-        """One row per step (a fused launch of k decode steps gives k rows)."""
+        """One row per step (a fused launch of k steps gives k rows)."""
         header = ["lane", "sms", "layer_start", "layer_stop", "tokens", "seqs", "start", "end"]
         with atomic_write(path) as f:
             w = csv.writer(f)
             w.writerow(header)
             for lane, sms, l0, l1, tokens, seqs, start, ends in self.rows:
-                if len(ends) == 1:
-                    w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}"))
-                    continue
-                starts = np.concatenate(([start], ends[:-1]))
-                w.writerows((lane, sms, l0, l1, tokens, seqs, f"{s:.6f}", f"{e:.6f}")
-                            for s, e in zip(starts, ends))
+                w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}"))
+                # a fused launch's later steps decode one token of every sequence
+                w.writerows((lane, sms, l0, l1, seqs, seqs, f"{s:.6f}", f"{e:.6f}")
+                            for s, e in zip(ends[:-1], ends[1:]))
 
 
 class atomic_write:

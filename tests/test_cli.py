@@ -22,8 +22,13 @@ def test_simulate_writes_outputs(tmp_path):
     assert len(rows) == 60 and {"ttft", "tpot", "e2e", "attained"} <= set(rows[0])
     steps = list(csv.DictReader((out / "timeline.csv").open()))
     assert {"lane", "sms", "tokens", "seqs", "start", "end"} <= set(steps[0])
-    # one row per step: the output tokens of the run equal the decode+sample rows' sequences
     assert all(float(s["end"]) >= float(s["start"]) for s in steps)
+    # one row per step: every prompt token and every output token but the last is fed through once
+    assert summary["preemptions"] == 0
+    fed = sum(int(r["prompt_tokens"]) + int(r["output_tokens"]) - 1 for r in rows)
+    assert sum(int(s["tokens"]) for s in steps) == fed
+    busy = sum(float(s["end"]) - float(s["start"]) for s in steps)
+    assert busy == pytest.approx(summary["lane_busy_s"]["all"], rel=1e-6)
     assert not list(out.glob(".*"))  # no temporary files left
 
 
