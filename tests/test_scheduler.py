@@ -110,6 +110,8 @@ def test_oversized_request_is_rejected_with_a_message():
     reqs = [Request(0, 0.0, 5000, 10)]
     with pytest.raises(RuntimeError, match="needs 5010 tokens"):
         run("chunked", reqs, num_blocks=100)
+    with pytest.raises(RuntimeError, match="needs 200000 positions"):
+        run("chunked", [Request(0, 0.0, 190000, 10000)])
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -44,7 +44,11 @@ class Scheduler:
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        need = self.kv.blocks_for(req.prompt_len + req.max_new_tokens)
+        total = req.prompt_len + req.max_new_tokens
+        if total > self.model.max_position:
+            raise SchedulingError(f"request {req.id} needs {total} positions but {self.model.name} supports "
+                                  f"{self.model.max_position}")
+        need = self.kv.blocks_for(total)
         if need > self.kv.num_blocks:
             raise SchedulingError(
                 f"request {req.id} needs {req.prompt_len + req.max_new_tokens} tokens of KV "
