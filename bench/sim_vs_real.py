@@ -20,16 +20,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bullet.config import GPUS, CacheConfig, SchedulerConfig, SloConfig, resolve_model  # noqa: E402
-from bullet.engine import serve  # noqa: E402
-from bullet.kvcache import BlockManager  # noqa: E402
-from bullet.metrics import request_columns, summarize  # noqa: E402
-from bullet.perfmodel import work_of  # noqa: E402
-from bullet.perfmodel.base import step_times  # noqa: E402
-from bullet.perfmodel.roofline import RooflineModel  # noqa: E402
-from bullet.policies import make_scheduler  # noqa: E402
-from bullet.traces import load_trace  # noqa: E402
-from simulator import simulate  # noqa: E402
+from bullet.config import GPUS, CacheConfig, SchedulerConfig, SloConfig, resolve_model
+from bullet.engine import serve
+from bullet.kvcache import BlockManager
+from bullet.metrics import request_columns, summarize
+from bullet.perfmodel import work_of
+from bullet.perfmodel.base import step_times
+from bullet.perfmodel.roofline import RooflineModel
+from bullet.policies import make_scheduler
+from bullet.traces import load_trace
+from simulator import simulate
 
 
 def launch_errors(results, latency, num_layers):
