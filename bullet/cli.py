@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -37,6 +38,9 @@ class Arrival(str, Enum):
 
 
 def _fail(message: str) -> typer.Exit:
+    """Print ``message`` as one red line (config field names shown as the flags that set them)."""
+    message = re.sub(r"\b(?:SchedulerConfig|CacheConfig)\.(\w+)",
+                     lambda m: "--" + m.group(1).replace("_", "-"), message)
     Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(2)
 
@@ -48,7 +52,8 @@ def _ms(value: float | None) -> float | None:
 @app.command()
 def simulate(
     trace: Annotated[str, typer.Option(help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) "
-                                            "or a bundled trace name: sharegpt, azure-code, arxiv.")] = "sharegpt",
+                                            "or a bundled trace name: sharegpt, azure-conv, azure-code, arxiv.")]
+    = "sharegpt",
     trace_format: Annotated[str | None, typer.Option("--format", help="Trace format if detection from "
                                                         "the header is not wanted: azure, vidur, mooncake, "
                                                         "lengths.")] = None,
@@ -97,6 +102,10 @@ def simulate(
 
     from .traces import TraceError, load_trace
 
+    for flag, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot),
+                        ("--slo-ttft-per-token", slo_ttft_per_token)):
+        if value is not None and value <= 0:
+            raise _fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
     try:
         model_spec = resolve_model(model, tp)
         gpu_spec = resolve_gpu(gpu)

@@ -48,7 +48,8 @@ def test_simulate_json(policy):
     (["--gpu", "b300"], "unknown GPU"),
     (["--trace", "no-such-trace"], "no-such-trace"),
     (["--policy", "static-split", "--prefill-sms", "100"], "granule"),
-    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be a positive number"),
+    (["--slo-tpot", "-1"], "--slo-tpot must be a positive number of milliseconds"),
 ])
 def test_bad_input_exits_2_without_traceback(args, message):
     res = runner.invoke(app, ["simulate", "--num-requests", "5", *args])
