@@ -33,7 +33,9 @@ from simulator import simulate
 
 
 def launch_errors(results, latency, num_layers):
-    """Per launch: (kind, measured s, predicted s). Co-runner: the other lane's launch that overlapped most."""
+    """Per launch: (kind, measured s, predicted s). Co-runner: the other lane's launch that overlapped most.
+    A fused launch whose first step is not a decode step also gives a "first step" row and a "tail" row
+    (its decode steps after the first, per step)."""
     rows = []
     for i, res in enumerate(results):
         b = res.batch
@@ -45,13 +47,35 @@ def launch_errors(results, latency, num_layers):
             overlap = min(res.end, other.end) - max(res.start, other.start)
             if overlap > best:
                 co, co_sms, best = work_of(other.batch, num_layers), other.batch.partition.num_sms, overlap
+        sms = b.partition.num_sms
         if b.steps > 1 or b.layers.stop == num_layers:
-            pred = float(step_times(latency, w, b.steps, b.partition.num_sms, co, co_sms).sum())
+            per_step = step_times(latency, w, b.steps, sms, co, co_sms)
+            pred = float(per_step.sum())
         else:
-            pred = float(latency.predict(w, b.partition.num_sms, co, co_sms))
+            pred = float(latency.predict(w, sms, co, co_sms))
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
         rows.append((f"{b.lane}/{kind}", res.end - res.start, pred))
+        if b.steps > 1 and w.tokens != w.seqs:
+            ends = np.asarray(res.step_ends)
+            rows.append((f"{b.lane}/{kind} first step", ends[0] - res.start, float(per_step[0])))
+            rows.append((f"{b.lane}/{kind} tail per step", (ends[-1] - ends[0]) / (b.steps - 1),
+                         float(per_step[1:].mean())))
     return rows
+
+
+class HostTimed:
+    """Wraps an executor; adds up the host seconds spent inside launch() per lane."""
+
+    def __init__(self, ex) -> None:
+        self.ex, self.host = ex, {}
+
+    def __getattr__(self, name):
+        return getattr(self.ex, name)
+
+    def launch(self, batch) -> None:
+        t = time.perf_counter()
+        self.ex.launch(batch)
+        self.host[batch.lane] = self.host.get(batch.lane, 0.0) + time.perf_counter() - t
 
 
 def fresh(args):
@@ -107,7 +131,8 @@ def main() -> None:
         sched = make_scheduler(cfg, spec, gpu, kv, latency)
         results = []
         t0 = time.perf_counter()
-        done = serve(reqs, sched, ex, on_step=results.append)
+        timed = HostTimed(ex)
+        done = serve(reqs, sched, timed, on_step=results.append)
         wall = time.perf_counter() - t0
         busy = {}
         for res in results:
@@ -116,7 +141,9 @@ def main() -> None:
         sim = simulate(fresh(args), spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks), slo, latency).summary
 
         rows = launch_errors(results, latency, spec.num_layers)
-        print(f"\n{policy}: {len(done)} requests served in {wall:.1f} s wall, {len(results)} launches")
+        print(f"\n{policy}: {len(done)} requests served in {wall:.1f} s wall, {len(results)} launches; host time "
+              "in launch(): " + ", ".join(f"{k} {v:.1f} s" for k, v in timed.host.items())
+              + "; GPU busy: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy.items()))
         print("latency model on the real launches: kind | launches | median measured ms | median error % | "
               "p10 / p90 error %")
         for kind in sorted({k for k, _, _ in rows}):
