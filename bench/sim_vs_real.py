@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="build the prefill attention plans before serving (GpuExecutor.warmup)")
     args = ap.parse_args()
 
     import torch
@@ -108,6 +110,9 @@ def main() -> None:
     t0 = time.perf_counter()
     ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096,
                      gpu_memory_utilization=0.85)
+    if args.warmup:
+        t1 = time.perf_counter()
+        print(f"prefill attention warmed for {ex.warmup()} padded lengths in {time.perf_counter() - t1:.1f} s")
     print(f"executor ready in {time.perf_counter() - t0:.1f} s: {ex.kv.num_blocks} KV blocks"
           + (f", {torch.cuda.get_device_name()}" if cuda else ""))
     report = {}

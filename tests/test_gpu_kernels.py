@@ -232,3 +232,29 @@ def test_gemv_cpu(bias):
 def test_gpu_gemv(shape, options):
     check_gemv("cuda", torch.bfloat16, *shape, bias=shape[0] == 4608, tol=1e-2, **options)
     check_gemv("cuda", torch.float32, *shape, bias=True, tol=1e-5, **options)
+
+
+def test_padded_length_buckets():
+    from bullet.gpu.attention import padded_length
+
+    assert [padded_length(n) for n in (1, 256, 257, 8192, 8193, 10000)] == [256, 256, 512, 8192, 10240, 10240]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 255, 300, 1000, 8193])
+def test_padded_causal_prefill_matches_reference(n):
+    """Prompt attention is computed at a padded length on CUDA; the real rows must not see the padding."""
+    from bullet.gpu.attention import _prefill_one
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    H, KVH, D = 32, 8, 128
+    q = torch.randn((n, H, D), device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn((n, KVH, D), device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn((n, KVH, D), device="cuda", dtype=torch.bfloat16, generator=g)
+    out = _prefill_one(q, k, v, None, D ** -0.5, {})
+    assert out.shape == (n, H, D)
+    qd, kd, vd = (t.double() for t in (q, k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)))
+    s = torch.einsum("qhd,khd->hqk", qd, kd) * D ** -0.5
+    s = s.masked_fill(torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vd)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -203,6 +203,9 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int | N
     tokens (``ctx`` None: no prefix). Returns ``[n, H, D]`` (a view of SDPA's output)."""
     n, H = q.shape[:2]
     KVH = k.shape[1]
+    pad = padded_length(n) - n if ctx is None and q.is_cuda else 0
+    if pad:  # padded rows go last: under the causal mask no real query sees them; their output is dropped
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
     # unexpanded KV heads (enable_gqa) measured faster on the H200 for the causal path; with a prefix the
     # boolean mask runs on the memory-efficient kernel, which wants the heads expanded
     gqa = H != KVH and ctx is None and cfg.get("enable_gqa", True)
@@ -224,4 +227,24 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int | N
             o = F.scaled_dot_product_attention(qi, ki, vi, **kwargs)
     else:
         o = F.scaled_dot_product_attention(qi, ki, vi, **kwargs)
-    return o[0].transpose(0, 1)
+    return o[0].transpose(0, 1)[:n]
+
+
+def padded_length(n: int) -> int:
+    """Prompt lengths are padded to a multiple of 256 (2048 past 8192) for the causal SDPA call: the cuDNN
+    backend builds a plan per sequence length, ~70 ms each on the H200 (bench/mixed_step.py), which a
+    serving run with every prompt a new length would pay on every prefill."""
+    g = 256 if n <= 8192 else 2048
+    return -(-n // g) * g
+
+
+def warm_prefill(spec, device, dtype, max_tokens: int = 8192, cfg: dict | None = None) -> int:
+    """Run the causal prefill attention once per padded length up to ``max_tokens`` (builds the SDPA plans
+    ahead of serving); returns how many lengths."""
+    H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+    lengths = sorted({padded_length(n) for n in range(1, max_tokens + 1, 256)})
+    for n in lengths:
+        q = torch.zeros((n, H, D), device=device, dtype=dtype)
+        kv = torch.zeros((n, KVH, D), device=device, dtype=dtype)
+        _prefill_one(q, kv, kv, None, 1.0, cfg or {})
+    return len(lengths)
