@@ -223,8 +223,15 @@ class GpuSpec:
         return self.copy_bandwidth_measured or self.hbm_bandwidth
 
     def partition_sizes(self) -> list[int]:
-        """Prefill-side SM counts of the disjoint pairs a green-context split can give (granule steps)."""
-        return list(range(self.sm_granule, self.num_sms - self.sm_granule + 1, self.sm_granule))
+        """Prefill-side SM counts of the partition menu (see :func:`partition_sizes`)."""
+        return partition_sizes(self.num_sms, self.sm_granule)
+
+
+def partition_sizes(num_sms: int, granule: int) -> list[int]:
+    """Prefill-side SM counts of the disjoint (prefill, decode) pairs we use: granule steps leaving at least
+    two granules to each side. The driver gives slimmer halves (8 + 124, 120 + 12 on an H200), but cuBLAS
+    failed on a 12-SM partition there (CUBLAS_STATUS_EXECUTION_FAILED), and such slivers do little work."""
+    return list(range(2 * granule, num_sms - 2 * granule + 1, granule))
 
 
 GB = 10**9

@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import partition_sizes
+
 
 class GreenContextError(RuntimeError):
     """A CUDA driver call of the green-context set-up failed; the message names the call."""
@@ -240,10 +242,8 @@ class PartitionMenu:
 
 
 def default_sizes(num_sms: int, granule: int) -> list[int]:
-    """Prefill sizes of the default menu: granule steps leaving at least two granules to each side.
-    Smaller halves exist (the driver gives 8 + 124 or 120 + 12 on an H200), but cuBLAS failed on a 12-SM
-    partition (CUBLAS_STATUS_EXECUTION_FAILED for the decode GEMMs), and such slivers do little work."""
-    return list(range(2 * granule, num_sms - 2 * granule + 1, granule))
+    """Prefill sizes of the default menu: the same rule as the simulator's (``bullet.config``)."""
+    return partition_sizes(num_sms, granule)
 
 
 class _Unsupported(Exception):

@@ -21,9 +21,10 @@ class StaticSplit(Scheduler):
 
     def _partitions(self) -> tuple[Partition, Partition]:
         p, gpu = self.cfg.prefill_sms, self.gpu
-        if p % gpu.sm_granule or not 0 < p < gpu.num_sms:
+        menu = gpu.partition_sizes()
+        if p not in menu:
             raise ConfigError(f"prefill_sms={p} must be a multiple of {gpu.name}'s {gpu.sm_granule}-SM granule "
-                              f"between {gpu.sm_granule} and {gpu.num_sms - gpu.sm_granule}")
+                              f"from {menu[0]} to {menu[-1]} (the partition menu)")
         return Partition("prefill", p), Partition("decode", gpu.num_sms - p)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
