@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -13,36 +12,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_trace import ArrivalChoice as Arrival
+from .cli_trace import fail, trace_app
 from .config import POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 
 app = typer.Typer(help="bullet: LLM serving with prefill and decode on disjoint SM partitions, and the "
                        "simulator that plans it.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
-
-
-def _register_subcommands() -> None:
-    from .cli_trace import trace_app
-
-    app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
-
-
-_register_subcommands()
+app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
 
 Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
-
-
-class Arrival(str, Enum):
-    poisson = "poisson"
-    gamma = "gamma"
-    constant = "constant"
-
-
-def _fail(message: str) -> typer.Exit:
-    """Print ``message`` as one red line (config field names shown as the flags that set them)."""
-    message = re.sub(r"\b(?:SchedulerConfig|CacheConfig)\.(\w+)",
-                     lambda m: "--" + m.group(1).replace("_", "-"), message)
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(2)
 
 
 def _ms(value: float | None) -> float | None:
@@ -105,7 +84,7 @@ def simulate(
     for flag, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot),
                         ("--slo-ttft-per-token", slo_ttft_per_token)):
         if value is not None and value <= 0:
-            raise _fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
+            raise fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
     try:
         model_spec = resolve_model(model, tp)
         gpu_spec = resolve_gpu(gpu)
@@ -118,7 +97,7 @@ def simulate(
         requests = load_trace(trace, trace_format, num_requests=num_requests, rate=rate,
                               arrival_process=arrival.value, cv=cv, seed=seed)
     except (ConfigError, TraceError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     console = Console(stderr=as_json)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -137,7 +116,7 @@ def simulate(
         try:
             result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo, on_finish=advance)
         except (ConfigError, RuntimeError) as e:
-            raise _fail(str(e)) from None
+            raise fail(str(e)) from None
     summary = result.summary
     summary["trace"] = trace
     if out is not None:

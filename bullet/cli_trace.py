@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -33,7 +34,11 @@ class ArrivalChoice(str, Enum):
     constant = "constant"
 
 
-def _fail(message: str) -> typer.Exit:
+def fail(message: str) -> typer.Exit:
+    """Print ``message`` as one red line on stderr (config field names shown as the flags that set them);
+    ``raise fail(...)`` exits with code 2 and no traceback. Shared by every ``bullet`` command."""
+    message = re.sub(r"\b(?:SchedulerConfig|CacheConfig)\.(\w+)",
+                     lambda m: "--" + m.group(1).replace("_", "-"), message)
     Console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
@@ -77,7 +82,7 @@ def stats(
         table = read_table(file, format.value if format else None)
         s = trace_stats(table)
     except TraceError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     if as_json:
         typer.echo(json.dumps({"file": table.path, "format": table.format, **s}))
         return
@@ -118,16 +123,16 @@ def generate(
     given = [k for k, v in lognormal.items() if v is not None]
     if lengths_from is not None and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise _fail(f"--lengths-from takes lengths from a file; it cannot be combined with {flags}")
+        raise fail(f"--lengths-from takes lengths from a file; it cannot be combined with {flags}")
     try:
         requests = synthesize(num_requests, rate, arrival_process=arrival.value, cv=cv, seed=seed,
                               max_total=max_total, lengths_from=lengths_from,
                               **{k: v for k, v in lognormal.items() if v is not None})
         save_trace(requests, out)
     except TraceError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     except OSError as e:
-        raise _fail(f"{out}: cannot write: {e.strerror or e}") from None
+        raise fail(f"{out}: cannot write: {e.strerror or e}") from None
     s = trace_stats(requests)
     Console(highlight=False).print(
         f"wrote {s['count']:,} requests to {escape(str(out))}: span {_fmt(s['span_s'], 1)} s, "
