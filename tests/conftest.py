@@ -19,3 +19,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_menu():
+    """One green-context partition menu for the whole GPU test session: menus are made once and reused
+    (contexts that pile up without being destroyed broke cuBLAS on the H200, BACKGROUND.md)."""
+    from bullet.gpu.partitions import PartitionMenu
+
+    menu = PartitionMenu.create(0)
+    yield menu
+    menu.close()

@@ -189,16 +189,6 @@ def test_seeded_sampling_is_deterministic(weights):
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-@pytest.fixture(scope="module")
-def gpu_menu():
-    """One partition menu for every GPU test here (menus are made once, never per executor)."""
-    from bullet.gpu.partitions import PartitionMenu
-
-    menu = PartitionMenu.create(0)
-    yield menu
-    menu.close()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy,cfg", [
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 64}),

@@ -29,11 +29,9 @@ def test_fallback_without_green_contexts(monkeypatch):
     menu.close()  # idempotent
 
 
-@pytest.fixture(scope="module")
-def menu():
-    m = PartitionMenu.create(0)
-    yield m
-    m.close()
+@pytest.fixture
+def menu(gpu_menu):
+    return gpu_menu
 
 
 @pytest.mark.gpu
