@@ -74,3 +74,13 @@ def test_hf_config_model(tmp_path):
     res = runner.invoke(app, ["simulate", "--num-requests", "10", "--model", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout[res.stdout.index("{"):])["model"] == tmp_path.name
+
+
+def test_simulate_parquet(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    res = runner.invoke(app, ["simulate", "--num-requests", "30", "--out", str(tmp_path), "--parquet"])
+    assert res.exit_code == 0, res.output
+    df = pd.read_parquet(tmp_path / "requests.parquet")
+    assert len(df) == 30 and df["output_tokens"].gt(0).all()
+    assert (df["e2e"] >= df["ttft"]).all()
