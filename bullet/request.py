@@ -59,10 +59,6 @@ class Request:
         return self.known - self.num_computed
 
     @property
-    def finished(self) -> bool:
-        return self.finish_time is not None
-
-    @property
     def is_decoding(self) -> bool:
         """Only the last sampled token is left to feed: the next pass is a one-token decode step."""
         return self.num_output > 0 and self.known - self.num_computed == 1

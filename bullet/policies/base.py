@@ -55,9 +55,6 @@ class Scheduler:
                 f"({need} blocks) but the whole cache holds {self.kv.num_blocks} blocks")
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
         """The next launch on ``lane`` (idle now), or None. ``horizon``: the next time something
         outside the scheduler happens (an arrival); fused decode stretches end there."""
