@@ -50,9 +50,8 @@ class Scheduler:
                                   f"{self.model.max_position}")
         need = self.kv.blocks_for(total)
         if need > self.kv.num_blocks:
-            raise SchedulingError(
-                f"request {req.id} needs {req.prompt_len + req.max_new_tokens} tokens of KV "
-                f"({need} blocks) but the whole cache holds {self.kv.num_blocks} blocks")
+            raise SchedulingError(f"request {req.id} needs {total} tokens of KV ({need} blocks) but the whole "
+                                  f"cache holds {self.kv.num_blocks} blocks")
         self.waiting.append(req)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
@@ -66,14 +65,14 @@ class Scheduler:
         return batch
 
     # ---- KV and preemption ------------------------------------------------------------------------
-    def _reserve(self, req: Request, num_tokens: int, protect: Request | None = None) -> bool:
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Make ``req`` hold ``num_tokens`` tokens, preempting idle running requests (newest first)
         if the pool is short. False if even that cannot make room (``req`` itself is not preempted)."""
         kv = self.kv
         need = kv.extra_blocks(req.id, num_tokens)
         while need > kv.num_free:
             victim = next((r for r in reversed(self.running)
-                           if r.id not in self.busy and r is not req and r is not protect), None)
+                           if r.id not in self.busy and r is not req), None)
             if victim is None:
                 return False
             self.preempt(victim)
@@ -114,11 +113,11 @@ class Scheduler:
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
         the queue in order. Returns the budget left."""
-        for r in self.running:
+        for r in list(self.running):  # a snapshot: _reserve may preempt (remove) others
             if budget <= 0:
                 return budget
-            if r.id in self.busy or r.is_decoding or r.remaining <= 0:
-                continue
+            if r.id in self.busy or r.id not in self.kv.tables or r.is_decoding or r.remaining <= 0:
+                continue  # in flight, preempted just now, or decoding
             n = min(r.remaining, budget)
             if not self._reserve(r, r.num_computed + n):
                 continue
