@@ -36,7 +36,7 @@ operations element-wise), so both give identical numbers. Constants and calibrat
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from math import ceil
+from math import ceil, sqrt
 from numbers import Real
 
 import numpy as np
@@ -220,7 +220,7 @@ class RooflineModel:
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if not arr and co is not None:
-            n, co_sms = self._shared(n, co_sms)
+            n, co_sms = self._shared(n, co_sms, work, co)
         cf, inv_bw = self._contention(n, arr, co, co_sms)
         rest = self._rest(work, n, arr, cf, inv_bw)
         att = self._attention(work.attn_pairs, work.kv_read, work.tokens, n, arr, cf, inv_bw)
@@ -238,7 +238,7 @@ class RooflineModel:
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None:
-            n, co_sms = self._shared(n, co_sms)
+            n, co_sms = self._shared(n, co_sms, work, co)
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
         grow = np.arange(steps, dtype=np.float64) * work.seqs
@@ -313,17 +313,20 @@ class RooflineModel:
             raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
         return n, True
 
-    def _shared(self, n: int, co_sms: int) -> tuple[int, int]:
-        """Overlapping lanes (both on the whole GPU: naive concurrency) time-share the SMs they have in
-        common: each is modelled on its own SMs plus half of the shared ones, then contends for HBM as
-        disjoint lanes do. An assumption, not a measurement (BACKGROUND.md has no co-run on full SMs)."""
+    def _shared(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
+        """Overlapping lanes (both on the whole GPU: naive concurrency) share the SMs they have in common
+        in proportion to sqrt(tokens) of each launch: the hardware hands free SMs to whichever kernel has
+        blocks waiting, and a big prefill's GEMMs nearly always do. Fitted to one H200 measurement
+        (bench/gpu_concurrency.py, naive row: an 8192-token prefill slowed 1.04x, a 64 x 4096 decode step
+        5.9x); beyond it an assumption. Each lane then contends for HBM as disjoint lanes do."""
         if not 0 <= co_sms <= self.num_sms:
             raise ValueError(f"co_sms={co_sms!r} must be in 0..{self.num_sms}")
         overlap = n + int(co_sms) - self.num_sms
         if overlap <= 0:
             return n, co_sms
-        half = overlap // 2
-        return max(1, n - half), max(1, int(co_sms) - (overlap - half))
+        mine = sqrt(work.tokens) / (sqrt(work.tokens) + sqrt(co.tokens))
+        take = min(overlap - 1, max(1, round(overlap * mine)))
+        return max(1, n - overlap + take), max(1, int(co_sms) - take)
 
     def _contention(self, n, arr: bool, co: Work | None, co_sms):
         """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``."""
