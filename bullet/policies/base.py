@@ -186,18 +186,18 @@ class Scheduler:
                 extra = left
         if extra > 0:
             extra = self._kv_steps(spare, extra)
-        first = Batch(partition, self.all_layers, tuple(chunks))
         if extra > 0 and horizon is not None:
             n = len(chunks)
-            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True)  # == work_of(first)
+            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True)  # == work_of(first step)
             cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
             # steps that start before the horizon run (the one crossing it included, as unfused steps do)
             extra = min(extra, int(np.searchsorted(cum, horizon - now, side="left")))
-        if extra <= 0:
-            return self._launch(lane, first, reqs)
-        kv.grow([(r.id, c.start + c.num_tokens + extra)
-                 for c, r, s in zip(chunks, reqs, spare) if s < extra])
-        return self._launch(lane, Batch(partition, self.all_layers, first.chunks, extra + 1), reqs)
+        if extra > 0:
+            kv.grow([(r.id, c.start + c.num_tokens + extra)
+                     for c, r, s in zip(chunks, reqs, spare) if s < extra])
+        else:
+            extra = 0
+        return self._launch(lane, Batch(partition, self.all_layers, tuple(chunks), extra + 1), reqs)
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request, preempting the newest idle ones when short; returns
