@@ -73,10 +73,15 @@ def simulate(
     out: Annotated[Path | None, typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
                                                      "and timeline.csv.")] = None,
     parquet: Annotated[bool, typer.Option(help="Write requests.parquet instead of requests.csv.")] = False,
+    plot: Annotated[bool, typer.Option(help="Also write latency.png (TTFT/TPOT/E2E distributions) and "
+                                            "timeline.png (each lane's launches over time) into --out "
+                                            "(needs matplotlib).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress "
                                                          "goes to stderr).")] = False,
 ) -> None:
     """Simulate serving a trace on a virtual GPU and print latency, throughput and SLO attainment."""
+    if plot and out is None:
+        raise fail("--plot needs --out DIR (the folder the PNG files go to)")
     from simulator import simulate as run_simulation
 
     from .traces import TraceError, load_trace
@@ -125,13 +130,20 @@ def simulate(
         write_json(summary, out / "summary.json")
         write_requests(result.columns, out / ("requests.parquet" if parquet else "requests.csv"))
         result.timeline.write_csv(out / "timeline.csv")
+        if plot:
+            try:
+                from .plots import plot_run
+            except ImportError:
+                raise fail("--plot needs matplotlib: pip install matplotlib") from None
+            plot_run(result.columns, result.timeline, summary, out)
     if as_json:
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print_summary(summary, console)
         if out is not None:
-            console.print(f"wrote {out}/summary.json, requests.{'parquet' if parquet else 'csv'}, timeline.csv")
+            console.print(f"wrote {out}/summary.json, requests.{'parquet' if parquet else 'csv'}, timeline.csv"
+                          + (", latency.png, timeline.png" if plot else ""))
 
 
 def print_summary(s: dict, console: Console) -> None:

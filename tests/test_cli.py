@@ -84,3 +84,19 @@ def test_simulate_parquet(tmp_path):
     df = pd.read_parquet(tmp_path / "requests.parquet")
     assert len(df) == 30 and df["output_tokens"].gt(0).all()
     assert (df["e2e"] >= df["ttft"]).all()
+
+
+@pytest.mark.parametrize("policy", ["chunked", "static-split"])
+def test_simulate_plots(tmp_path, policy):
+    pytest.importorskip("matplotlib")
+    res = runner.invoke(app, ["simulate", "--num-requests", "40", "--policy", policy, "--out", str(tmp_path),
+                              "--plot"])
+    assert res.exit_code == 0, res.output
+    for name in ("latency.png", "timeline.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_needs_out():
+    res = runner.invoke(app, ["simulate", "--num-requests", "5", "--plot"])
+    assert res.exit_code == 2 and "--plot needs --out" in res.output
