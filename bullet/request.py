@@ -57,8 +57,3 @@ class Request:
     def remaining(self) -> int:
         """Positions still to compute before the next token can be sampled."""
         return self.known - self.num_computed
-
-    @property
-    def is_decoding(self) -> bool:
-        """Only the last sampled token is left to feed: the next pass is a one-token decode step."""
-        return self.num_output > 0 and self.known - self.num_computed == 1

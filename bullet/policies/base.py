@@ -40,6 +40,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted (hold KV), in admission order
         self.inflight: dict[Lane, tuple[Batch, list[Request]]] = {}
         self.busy: set[int] = set()  # ids of requests inside a launched batch
+        self.partial: dict[int, Request] = {}  # running, prompt (or recompute) not finished: next is a chunk
         self.num_preemptions = 0
 
     # ---- arrivals and admission -------------------------------------------------------------------
@@ -83,6 +84,7 @@ class Scheduler:
         """Drop ``req``'s KV; it goes back to the front of the queue and recomputes what it knows."""
         self.kv.free(req.id)
         self.running.remove(req)
+        self.partial.pop(req.id, None)
         req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -113,11 +115,11 @@ class Scheduler:
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
         the queue in order. Returns the budget left."""
-        for r in list(self.running):  # a snapshot: _reserve may preempt (remove) others
+        for r in list(self.partial.values()):  # a snapshot: _reserve may preempt (remove) others
             if budget <= 0:
                 return budget
-            if r.id in self.busy or r.id not in self.kv.tables or r.is_decoding or r.remaining <= 0:
-                continue  # in flight, preempted just now, or decoding
+            if r.id in self.busy or r.id not in self.partial:
+                continue  # in flight, or preempted just now
             n = min(r.remaining, budget)
             if not self._reserve(r, r.num_computed + n):
                 continue
@@ -146,8 +148,8 @@ class Scheduler:
         return horizon
 
     def _decoders(self) -> list[Request]:
-        """Idle running requests whose next pass is a one-token decode step (``Request.is_decoding``,
-        inlined: this runs once per launch)."""
+        """Idle running requests whose next pass is a one-token decode step: an output exists and only the
+        last sampled token is left to feed."""
         busy = self.busy
         return [r for r in self.running
                 if r.num_output and r.prompt_len + r.num_output - r.num_computed == 1 and r.id not in busy]
@@ -250,7 +252,10 @@ class Scheduler:
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             r.num_computed = c.start + c.num_tokens + steps - 1
             if not c.sample:
+                self.partial[r.id] = r
                 continue
+            if self.partial:
+                self.partial.pop(r.id, None)
             n_new = steps
             if tokens is not None:
                 new = tokens[:, j].tolist()

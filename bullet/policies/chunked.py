@@ -13,8 +13,7 @@ class ChunkedPrefill(Scheduler):
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
         decoders = self._decoders()
-        partial = len(decoders) < len(self.running)  # someone (idle: one lane) is mid-prefill
-        if not partial and not self.admissible():
+        if not self.partial and not self.admissible():
             if not decoders:
                 return None
             return self._decode_batch(lane, self.whole_gpu, decoders, now, self.arrival_horizon(horizon))
