@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, pairwise
 from pathlib import Path
 
 import numpy as np
@@ -133,7 +133,7 @@ class Timeline:
                 w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}"))
                 # a fused launch's later steps decode one token of every sequence
                 w.writerows((lane, sms, l0, l1, seqs, seqs, f"{s:.6f}", f"{e:.6f}")
-                            for s, e in zip(ends[:-1], ends[1:]))
+                            for s, e in pairwise(ends))
 
 
 class atomic_write:
