@@ -117,7 +117,9 @@ class DecodeBuffers:
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # for graph inputs
 
     def fill(self, chunks: Sequence[Chunk], bs: int | None = None) -> None:
-        """Rows for one-token ``chunks`` (position ``start``), padded to ``bs`` rows."""
+        """Rows for one-token ``chunks`` (position ``start``), padded to ``bs`` rows. Each row gets the
+        chunk's whole block table (up to ``max_blocks``), so fused steps that cross into a block allocated
+        ahead of them read it, not a stale column."""
         n = len(chunks)
         positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
         bt = self._np[:n, _NCOLS:]
@@ -127,7 +129,8 @@ class DecodeBuffers:
             if nb > self.max_blocks or len(c.block_ids) < nb:
                 raise ValueError(f"DecodeBuffers.fill: request {c.req_id} at position {c.start} needs {nb} "
                                  f"blocks (has {len(c.block_ids)}, room for {self.max_blocks})")
-            bt[i, :nb] = c.block_ids[:nb]
+            k = min(len(c.block_ids), self.max_blocks)
+            bt[i, :k] = c.block_ids[:k]
         self._write(positions, bs)
 
     def fill_arrays(self, positions: np.ndarray, block_tables: np.ndarray, bs: int | None = None) -> None:

@@ -26,10 +26,6 @@ class PagedKvCache:
         self.v = torch.zeros(shape, device=self.device, dtype=dtype)
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 

@@ -35,7 +35,7 @@ operations element-wise), so both give identical numbers. Constants and calibrat
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from math import ceil, sqrt
 from numbers import Real
 
@@ -296,9 +296,6 @@ class RooflineModel:
         if s:
             once += self._lm_weight_bytes + self._lm_row_bytes * s
         return work.num_layers * per_layer + once
-
-    def constants_dict(self) -> dict[str, float]:
-        return asdict(self.constants)
 
     # ------------------------------------------------------------------ internals
     def _sms(self, num_sms):
