@@ -1,4 +1,4 @@
-"""``serve()``: THE event loop, shared verbatim by ``bullet simulate`` and ``bullet run``."""
+"""``serve()``: THE event loop, shared verbatim by the simulator (``bullet simulate``) and the GpuExecutor."""
 
 from __future__ import annotations
 
