@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--pairs", default="", help="comma-separated prefill SM counts (default: the whole menu)")
+    ap.add_argument("--decode-config", default="", help="JSON launch options of the paged decode kernel "
+                    "(Model.decode_config), e.g. '{\"tma\": true, \"num_warps\": 4, \"num_stages\": 4}'")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no partitions)")
     args = ap.parse_args()
@@ -90,6 +92,8 @@ def main() -> None:
     num_blocks = B * dec_blocks + pre_blocks + 64
     ex = GpuExecutor(spec, "dummy", args.device, block_size=bs, num_blocks=num_blocks, menu=menu, seed=0,
                      reserved_bytes=0)
+    if args.decode_config:
+        ex.model.decode_config = json.loads(args.decode_config)
     ex.kv.k.normal_(0, 1)  # no timing on zeros
     ex.kv.v.normal_(0, 1)
     full_sms = menu.num_sms

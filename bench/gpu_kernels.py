@@ -13,6 +13,7 @@ JSON to ``--out`` when given.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -25,7 +26,7 @@ from bullet.batch import Chunk
 from bullet.config import MODELS
 from bullet.gpu.attention import DecodeBuffers, build_meta
 from bullet.gpu.kernels.decode_attention import paged_decode_attention
-from bullet.gpu.kernels.gemv import gemv
+from bullet.gpu.kernels.gemv import GEMV_DEFAULT, gemv
 from bullet.gpu.kvcache import PagedKvCache
 from bullet.gpu.model import Model
 from bullet.gpu.sampling import sample
@@ -85,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kv-layout", default="hnd", choices=["hnd", "nhd"], help="KV pool layout (PagedKvCache)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -112,7 +114,8 @@ def main() -> None:
     T_PRE, BS, CTX = 4096, 128, 1024
     pre_blocks = T_PRE // B
     dec_blocks = BS * CTX // B
-    kv = PagedKvCache(spec, dec_blocks + pre_blocks + 1, B, dev)
+    kv = PagedKvCache(spec, dec_blocks + pre_blocks + 1, B, dev, layout=args.kv_layout)
+    res["kv_layout"] = args.kv_layout
     kv.k.normal_()
     kv.v.normal_()
     weight_read = spec.weight_bytes - spec.vocab_size * hid * spec.dtype_bytes  # embedding: a few rows only
@@ -131,6 +134,9 @@ def main() -> None:
                for o32 in (True, False) for hf in (True, False) for bn in (64, 128) for nw in (4, 8) for st in (2, 3)]
     configs += [{"block_n": 64, "num_warps": 4, "num_stages": 3, "num_splits": sp, "head_first": True}
                 for sp in (2, 4)]
+    if args.kv_layout == "hnd":  # the TMA kernel (one page per step)
+        configs += [{"tma": True, "num_warps": nw, "num_stages": st, "num_splits": sp, "head_first": hf}
+                    for nw in (4, 8) for st in (2, 4, 6) for sp in (1, 2) for hf in (True, False)]
     for cfg in configs:
         try:
             t = timeit(lambda cfg=cfg: paged_decode_attention(q, kv.k[0], kv.v[0], bt, cl, D**-0.5, CTX, **cfg),
@@ -268,24 +274,17 @@ def main() -> None:
                      f"{weight_read / t / 1e12:.2f} TB/s", ""))
     t_cublas1 = res["decode1_gemms_graph_s"]
     gemv_sweep = {}
-    for bn in (4, 8, 16):
-        for bk in (256, 512, 1024):
-            for nw in ((4, 8) if bk == 1024 else (4,)):
-                cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": 3}
-                try:
-                    gemv_sweep[json.dumps(cfg)] = gemm_only(1, cfg)
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    print("gemv", cfg, "failed:", type(e).__name__, str(e)[:200])
+    for bn, bk, nw, pdl in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (False, True)):
+        cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "pdl": pdl}
+        try:
+            gemv_sweep[json.dumps(cfg)] = gemm_only(1, cfg)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print("gemv", cfg, "failed:", type(e).__name__, str(e)[:200])
     res["gemv_sweep_s"] = gemv_sweep
-    if gemv_sweep:
-        best_gemv = min(gemv_sweep, key=gemv_sweep.get)
-        t = gemv_sweep[best_gemv]
-        use = t < t_cublas1
-        rows.append((f"decode 1: GEMVs only, Triton {best_gemv}", f"{t * 1e3:.2f} ms",
-                     f"{weight_read / t / 1e12:.2f} TB/s", "<- used" if use else ""))
-        if use:
-            model.gemv_config = json.loads(best_gemv)
-            res["gemv_config"] = model.gemv_config
+    for name, t in sorted(gemv_sweep.items(), key=lambda kv: kv[1])[:6]:
+        rows.append((f"decode 1: GEMVs only, Triton {name}", f"{t * 1e3:.2f} ms",
+                     f"{weight_read / t / 1e12:.2f} TB/s", f"cuBLAS {t_cublas1 * 1e3:.2f} ms"))
+    best_gemv = json.loads(min(gemv_sweep, key=gemv_sweep.get))
 
     t_eager, t_graph = decode_step(BS, CTX // B)
     kv_read = BS * CTX * spec.kv_bytes_per_token
@@ -295,13 +294,21 @@ def main() -> None:
                  f"{bw / 1e12:.2f} TB/s = {bw / COPY_CEILING:.0%} of 4.3", ">= 80%"))
     rows.append((f"decode {BS} x {CTX} ctx, eager", f"{t_eager * 1e3:.2f} ms",
                  f"{(weight_read + kv_read) / t_eager / 1e12:.2f} TB/s", ""))
-    # --- decode batch 1 -----------------------------------------------------------------------------------
-    t1_eager, t1_graph = decode_step(1, CTX // B)
+    # --- decode batch 1: the cuBLAS path, then the fused GEMV path with the best and the default options ---
     bound = weight_read / COPY_CEILING
-    res.update(decode1_eager_s=t1_eager, decode1_graph_s=t1_graph, decode1_bound_s=bound)
-    rows.append((f"decode 1 x {CTX} ctx, graph", f"{t1_graph * 1e3:.2f} ms",
-                 f"{t1_graph / bound:.2f}x the weight-read bound {bound * 1e3:.2f} ms", "<= 1.2x"))
-    rows.append((f"decode 1 x {CTX} ctx, eager", f"{t1_eager * 1e3:.2f} ms", f"{t1_eager / bound:.2f}x", ""))
+    res["decode1_bound_s"] = bound
+    variants = {"cuBLAS + unfused": (None, None), f"fused GEMV, best {json.dumps(best_gemv)}": (best_gemv, None),
+                "fused GEMV, default": (dict(GEMV_DEFAULT), None)}
+    variants.update({f"fused GEMV, default, {sp} attention splits": (dict(GEMV_DEFAULT), sp) for sp in (4, 8, 32)})
+    for name, (cfg, splits) in variants.items():
+        model.gemv_config = cfg
+        model.decode_config = {**best_cfg, **({"num_splits": splits} if splits else {})}
+        t1_eager, t1_graph = decode_step(1, CTX // B)
+        res[f"decode1 {name}"] = {"eager_s": t1_eager, "graph_s": t1_graph}
+        rows.append((f"decode 1 x {CTX} ctx, graph, {name}", f"{t1_graph * 1e3:.2f} ms",
+                     f"{t1_graph / bound:.2f}x the weight-read bound {bound * 1e3:.2f} ms", "<= 1.2x"))
+        rows.append((f"decode 1 x {CTX} ctx, eager, {name}", f"{t1_eager * 1e3:.2f} ms",
+                     f"{t1_eager / bound:.2f}x", ""))
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from bullet.gpu.kernels.activation import silu_mul
 from bullet.gpu.kernels.decode_attention import paged_decode_attention
-from bullet.gpu.kernels.gemv import gemv
+from bullet.gpu.kernels.gemv import GEMV_DEFAULT, gemv
 from bullet.gpu.kernels.norm import rms_norm
 from bullet.gpu.kernels.rope import rope_and_store
 
@@ -23,8 +23,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def make_pool(ctx_lens: list[int], kvh: int, d: int, page: int, device, dtype, seed: int):
-    """A pool holding every sequence's context in scattered blocks; returns (k, v, block_tables)."""
+def make_pool(ctx_lens: list[int], kvh: int, d: int, page: int, device, dtype, seed: int, layout: str = "nhd"):
+    """A pool holding every sequence's context in scattered blocks; returns (k, v, block_tables). ``layout``
+    "hnd": ``[blocks, page, kvh, d]`` views of ``[blocks, kvh, page, d]`` memory (PagedKvCache's default)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // page) for c in ctx_lens]
     total = sum(need) + 3
@@ -38,6 +39,8 @@ def make_pool(ctx_lens: list[int], kvh: int, d: int, page: int, device, dtype, s
     gd = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(total, page, kvh, d, generator=gd, device=device).to(dtype)
     v = torch.randn(total, page, kvh, d, generator=gd, device=device).to(dtype)
+    if layout == "hnd":
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     return k, v, bt.to(device)
 
 
@@ -58,8 +61,8 @@ def decode_reference(q, k, v, bt, ctx_lens, scale) -> torch.Tensor:
     return out
 
 
-def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits=None, **options):
-    k, v, bt = make_pool(ctx_lens, kvh, d, page, device, dtype, seed)
+def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits=None, layout="nhd", **options):
+    k, v, bt = make_pool(ctx_lens, kvh, d, page, device, dtype, seed, layout)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(ctx_lens), h, d, generator=g).to(device=device, dtype=dtype)
     cl = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
@@ -76,10 +79,11 @@ def check_decode(ctx_lens, h, kvh, d, page, device, dtype, seed, tol, num_splits
 
 @pytest.mark.parametrize("heads", [(4, 2), (8, 2), (7, 1)])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-def test_decode_attention_cpu_fp32(heads, num_splits):
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_decode_attention_cpu_fp32(heads, num_splits, layout):
     ctx = [1, 5, 16, 17, 70, 0, 33]
     check_decode(ctx, heads[0], heads[1], 16, 4, "cpu", torch.float32, seed=sum(heads), tol=1e-5,
-                 num_splits=num_splits)
+                 num_splits=num_splits, layout=layout)
 
 
 def test_rms_norm_with_and_without_residual():
@@ -109,7 +113,7 @@ def rope_reference(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, w=
     return x * cos + rot * sin
 
 
-def check_rope(device, dtype, h, kvh, d, qk_norm, tol):
+def check_rope(device, dtype, h, kvh, d, qk_norm, tol, layout="nhd"):
     g = torch.Generator().manual_seed(h + kvh)
     T, page, blocks = 9, 4, 8
     qkv = torch.randn(T, (h + 2 * kvh) * d, generator=g).to(device=device, dtype=dtype)
@@ -120,8 +124,10 @@ def check_rope(device, dtype, h, kvh, d, qk_norm, tol):
     slots = torch.randperm(blocks * page, generator=g)[:T].to(torch.int32)
     slots[3] = -1
     slots = slots.to(device)
-    kc = torch.zeros(blocks, page, kvh, d, device=device, dtype=dtype)
-    vc = torch.zeros_like(kc)
+    if layout == "hnd":
+        kc, vc = (torch.zeros(blocks, kvh, page, d, device=device, dtype=dtype).transpose(1, 2) for _ in range(2))
+    else:
+        kc, vc = (torch.zeros(blocks, page, kvh, d, device=device, dtype=dtype) for _ in range(2))
     qn = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype) if qk_norm else None
     kn = (torch.rand(d, generator=g) + 0.5).to(device=device, dtype=dtype) if qk_norm else None
     rope_and_store(qkv, pos, cos_sin, kc, vc, slots, h, kvh, d, qn, kn, 1e-6)
@@ -130,7 +136,7 @@ def check_rope(device, dtype, h, kvh, d, qk_norm, tol):
     assert rel(qkv[:, :h * d].view(T, h, d), q_ref) < tol
     assert rel(qkv[:, h * d:(h + kvh) * d].view(T, kvh, d), k_ref) < tol
     assert torch.equal(qkv[:, (h + kvh) * d:], orig[:, (h + kvh) * d:])  # v untouched
-    kflat, vflat = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
+    kflat, vflat = kc.reshape(-1, kvh, d), vc.reshape(-1, kvh, d)  # logical order, either layout
     keep = slots.cpu() >= 0
     idx = slots.cpu().long()[keep].to(device)
     assert rel(kflat[idx], k_ref[keep.to(device)]) < tol
@@ -141,8 +147,9 @@ def check_rope(device, dtype, h, kvh, d, qk_norm, tol):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_and_store_cpu(qk_norm):
-    check_rope("cpu", torch.float32, 4, 2, 16, qk_norm, 1e-6)
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_rope_and_store_cpu(qk_norm, layout):
+    check_rope("cpu", torch.float32, 4, 2, 16, qk_norm, 1e-6, layout)
 
 
 def test_silu_mul_cpu():
@@ -162,14 +169,15 @@ DECODE_CASES = [  # (num_seqs, max context, seed)
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
 @pytest.mark.parametrize("case", DECODE_CASES)
-def test_gpu_decode_attention_vs_float64(heads, case):
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_gpu_decode_attention_vs_float64(heads, case, layout):
     n, max_ctx, seed = case
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(1, max_ctx + 1, (n,), generator=g).tolist()
     ctx[0] = max_ctx  # the longest always present
     if n > 2:
         ctx[1] = 1
-    check_decode(ctx, heads[0], heads[1], 128, 16, "cuda", torch.bfloat16, seed, tol=1e-2)
+    check_decode(ctx, heads[0], heads[1], 128, 16, "cuda", torch.bfloat16, seed, tol=1e-2, layout=layout)
 
 
 @pytest.mark.gpu
@@ -185,10 +193,28 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_gpu_decode_attention_tma_vs_float64(heads, case):
+    n, max_ctx, seed = case
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (n,), generator=g).tolist()
+    ctx[0] = max_ctx
+    if n > 2:
+        ctx[1] = 1
+    check_decode(ctx, heads[0], heads[1], 128, 16, "cuda", torch.bfloat16, seed, tol=1e-2, layout="hnd", tma=True)
+    check_decode([0, 5, 0, 300, 4000], 32, 8, 128, 16, "cuda", torch.float32, 8, tol=1e-5, layout="hnd", tma=True)
+    for splits in (1, 3, 64):
+        check_decode([3000, 17, 1, 0], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits,
+                     layout="hnd", tma=True, pdl=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_gpu_rope_and_store(heads, qk_norm):
-    check_rope("cuda", torch.bfloat16, heads[0], heads[1], 128, qk_norm, 1e-2)
-    check_rope("cuda", torch.float32, heads[0], heads[1], 128, qk_norm, 1e-6)
+    for layout in ("hnd", "nhd"):
+        check_rope("cuda", torch.bfloat16, heads[0], heads[1], 128, qk_norm, 1e-2, layout)
+        check_rope("cuda", torch.float32, heads[0], heads[1], 128, qk_norm, 1e-6, layout)
 
 
 @pytest.mark.gpu
@@ -211,27 +237,85 @@ def test_gpu_rms_norm_and_silu(n):
     assert math.isfinite(float(silu_mul(z).float().sum()))
 
 
-def check_gemv(device, dtype, n, k, bias, tol, **options):
-    g = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, k, generator=g).to(device=device, dtype=dtype)
-    w = torch.randn(n, k, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
-    y = gemv(x, w, b, **options)
-    want = x.double() @ w.double().T + (b.double() if bias else 0)
-    assert y.shape == (1, n) and rel(y, want) < tol
+def check_gemv(device, dtype, n, k, bias, tol, fused=(), **options):
+    """``gemv`` (with the ``fused`` ops: "norm", "swiglu", "residual") against a float64 composition."""
+    g = torch.Generator(device=device).manual_seed(n + k)  # on the device: the big shapes fill fast
+    out_n = n // 2 if "swiglu" in fused else n
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    x = randn(1, k).to(dtype)
+    w = (randn(n, k) / k**0.5).to(dtype)
+    b = randn(n).to(dtype) if bias else None
+    nw = (1 + torch.rand(k, generator=g, device=device)).to(dtype) if "norm" in fused else None
+    r = randn(1, out_n).to(dtype) if "residual" in fused else None
+    r0 = r.double().clone() if r is not None else None
+    xd = x.double()
+    if nw is not None:
+        xd = xd / torch.sqrt(xd.pow(2).mean() + 1e-5) * nw.double()
+    want = xd @ w.double().T + (b.double() if bias else 0)
+    if "swiglu" in fused:
+        want = want[:, :out_n] * torch.sigmoid(want[:, :out_n]) * want[:, out_n:]
+    if r0 is not None:
+        want = want + r0
+    y = gemv(x, w, b, norm=nw, eps=1e-5, swiglu="swiglu" in fused, residual=r, **options)
+    assert y.shape == (1, out_n) and rel(y, want) < tol
+    if r is not None:
+        assert y.data_ptr() == r.data_ptr()  # in place
+
+
+FUSED = [(), ("norm",), ("residual",), ("norm", "swiglu"), ("swiglu", "residual")]
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_cpu(bias):
-    check_gemv("cpu", torch.float32, 37, 300, bias, 1e-5, block_n=8, block_k=128)
+@pytest.mark.parametrize("fused", FUSED)
+def test_gemv_cpu(bias, fused):
+    if bias and "swiglu" in fused:
+        pytest.skip("swiglu takes no bias")
+    check_gemv("cpu", torch.float32, 38, 300, bias, 1e-5, fused, block_n=8, block_k=128)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096), (4608, 3584), (1000, 333)])
-@pytest.mark.parametrize("options", [{}, {"block_n": 4, "block_k": 1024}, {"block_n": 16, "block_k": 256}])
-def test_gpu_gemv(shape, options):
-    check_gemv("cuda", torch.bfloat16, *shape, bias=shape[0] == 4608, tol=1e-2, **options)
-    check_gemv("cuda", torch.float32, *shape, bias=True, tol=1e-5, **options)
+@pytest.mark.parametrize("options", [{"block_n": 8, "block_k": 512}, {"block_n": 16, "block_k": 256},
+                                     GEMV_DEFAULT])
+@pytest.mark.parametrize("fused", FUSED)
+def test_gpu_gemv(shape, options, fused):
+    bias = shape[0] == 4608 and "swiglu" not in fused
+    check_gemv("cuda", torch.bfloat16, *shape, bias=bias, tol=1e-2, fused=fused, **options)
+    check_gemv("cuda", torch.float32, *shape, bias=True and "swiglu" not in fused, tol=1e-5, fused=fused,
+               **options)
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_pdl_chain_in_a_graph_equals_plain_launches():
+    """Dependent GEMVs launched with PDL, captured in a CUDA graph: each waits for its input (the previous
+    product), so the chain gives exactly what plain launches give."""
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(4096, 4096, generator=g) / 64).cuda().bfloat16() for _ in range(6)]
+    nw = (1 + torch.rand(4096, generator=g)).cuda().bfloat16()
+    x0 = torch.randn(1, 4096, generator=g).cuda().bfloat16()
+
+    def chain(pdl: bool, h: torch.Tensor) -> torch.Tensor:
+        for i, w in enumerate(ws):
+            if i % 2:
+                gemv(gemv(h, w, norm=nw, pdl=pdl), w, residual=h, pdl=pdl)
+            else:
+                h = gemv(h, w, pdl=pdl)
+        return h
+
+    want = chain(False, x0.clone())
+    h = x0.clone()
+    chain(True, h.clone())  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(True, h)
+    for _ in range(3):
+        h.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
 
 
 def test_padded_length_buckets():

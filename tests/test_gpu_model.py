@@ -14,6 +14,7 @@ pytest.importorskip("safetensors")
 from bullet.batch import Chunk
 from bullet.config import MODELS, ModelSpec, RopeScaling
 from bullet.gpu.attention import DecodeBuffers, build_meta
+from bullet.gpu.kernels.gemv import GEMV_DEFAULT
 from bullet.gpu.kvcache import PagedKvCache
 from bullet.gpu.model import Model, reference_forward, rope_inv_freq
 from bullet.gpu.sampling import sample
@@ -38,10 +39,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 class Runner:
     """Drives Model over requests the way an executor would: block tables, chunks, metadata."""
 
-    def __init__(self, spec: ModelSpec, weights, device, dtype, num_blocks: int = 256, block_size: int = BLOCK):
+    def __init__(self, spec: ModelSpec, weights, device, dtype, num_blocks: int = 256, block_size: int = BLOCK,
+                 layout: str = "hnd"):
         self.spec, self.device, self.block_size = spec, torch.device(device), block_size
         self.model = Model(spec, weights, device, dtype)
-        self.kv = PagedKvCache(spec, num_blocks, block_size, device, dtype)
+        self.kv = PagedKvCache(spec, num_blocks, block_size, device, dtype, layout=layout)
         self.free = list(range(num_blocks - 1, -1, -1))
         np.random.default_rng(0).shuffle(self.free)  # scattered blocks: paging must not rely on order
         self.tables: dict[int, list[int]] = {}
@@ -76,10 +78,11 @@ def random_ids(spec: ModelSpec, n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("gqa", [False, True])
-def test_paged_fp32_matches_reference_prefill_chunked_and_decode(variant, gqa):
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_paged_fp32_matches_reference_prefill_chunked_and_decode(variant, gqa, layout):
     spec = VARIANTS[variant]
     w = load_weights(spec, "dummy", "cpu", torch.float32, seed=1)
-    r = Runner(spec, w, "cpu", torch.float32)
+    r = Runner(spec, w, "cpu", torch.float32, layout=layout)
     r.model.prefill_config = {"enable_gqa": gqa}
     lens = [5, 17, 33]
     for i, n in enumerate(lens):
@@ -104,7 +107,8 @@ def test_paged_fp32_matches_reference_prefill_chunked_and_decode(variant, gqa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_slices_equal_full_forward(dtype):
+@pytest.mark.parametrize("one_token", [False, True])
+def test_layer_slices_equal_full_forward(dtype, one_token):
     from bullet.gpu.kernels import INTERPRET
 
     if INTERPRET and dtype == torch.bfloat16:
@@ -116,8 +120,13 @@ def test_layer_slices_equal_full_forward(dtype):
         r = Runner(spec, w, "cpu", dtype)
         r.ids[0], r.ids[1] = random_ids(spec, 12, 3), random_ids(spec, 7, 4)
         chunks = [r.chunk(0, 0, 12), r.chunk(1, 0, 7)]
+        if one_token:  # a one-token forward after the prompt: the fused GEMV path
+            r.run(chunks)
+            r.model.gemv_config = {}
+            r.ids[0].append(9)
+            chunks = [r.chunk(0, 12, 1)]
         meta = build_meta(chunks, BLOCK, "cpu")
-        h = torch.tensor(r.ids[0] + r.ids[1])
+        h = torch.tensor([t for c in chunks for t in c.token_ids])
         for sl in slices:
             h = r.model.forward(h, sl, meta, r.kv)
         outs.append((h, r.kv.k.clone(), r.kv.v.clone()))
@@ -166,13 +175,18 @@ def greedy_reference(spec, w, prompts, steps, device=None) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("use_buffers", [False, True])
-def test_greedy_64_tokens_paged_equals_reference(use_buffers):
+@pytest.mark.parametrize("one_token_path", ["unfused", "fused-gemv"])
+def test_greedy_64_tokens_paged_equals_reference(use_buffers, one_token_path):
     spec = TINY
     w = load_weights(spec, "dummy", "cpu", torch.float32, seed=5, scale=2.0)
     prompts = [random_ids(spec, 3, 6), random_ids(spec, 11, 7), random_ids(spec, 20, 8)]
+    if one_token_path == "fused-gemv":
+        prompts = prompts[1:2]  # one sequence: every decode step is a one-token forward
     r = Runner(spec, w, "cpu", torch.float32, num_blocks=128)
+    if one_token_path == "fused-gemv":
+        r.model.gemv_config = {}
     buffers = DecodeBuffers(8, 32, BLOCK, "cpu") if use_buffers else None
-    got = greedy_paged(r, prompts, 64, buffers)
+    got = greedy_paged(r, prompts, 64, buffers if one_token_path == "unfused" else None)
     want = greedy_reference(spec, w, prompts, 64)
     assert got == want
     assert len(set(got[0])) > 4  # not a degenerate repeat of one token
@@ -358,15 +372,31 @@ def test_gpu_layer_slices_and_graph_replay_equal_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_gpu_batch1_decode_with_triton_gemv(kind):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("cfg", [{"block_n": 8, "block_k": 512}, GEMV_DEFAULT])
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_gpu_batch1_decode_with_fused_gemv(kind, cfg, layout):
     spec = _gpu_spec(kind)
     w = load_weights(spec, "dummy", "cuda", torch.float32, seed=4)
-    r = Runner(spec, w, "cuda", torch.bfloat16, num_blocks=64, block_size=16)
-    r.model.gemv_config = {"block_n": 8, "block_k": 512}
+    r = Runner(spec, w, "cuda", torch.bfloat16, num_blocks=64, block_size=16, layout=layout)
+    r.model.gemv_config = dict(cfg)
     r.ids[0] = random_ids(spec, 50, seed=1)
     ref = reference_forward(spec, w, [r.ids[0]], device="cuda")[0]
     assert rel(r.logits_all([r.chunk(0, 0, 1)])[0], ref[:1]) < 2e-2  # one-token prefill: GEMV path too
     r.logits_all([r.chunk(0, 1, 40)])
-    for p in range(41, 50):
+    for p in range(41, 49):
         assert rel(r.logits_all([r.chunk(0, p, 1)])[0], ref[p:p + 1]) < 2e-2
+    # the same step captured in a CUDA graph (PDL launches inside) equals the eager one
+    meta = build_meta([r.chunk(0, 49, 1)], 16, "cuda")
+    x = torch.tensor(r.ids[0][49:50], device="cuda")
+    layers = range(spec.num_layers)
+    h_eager = r.model.forward(x, layers, meta, r.kv).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h_graph = r.model.forward(x, layers, meta, r.kv)
+    for _ in range(2):
+        h_graph.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h_graph, h_eager)
+    assert rel(r.model.logits(h_eager, meta.sample_rows), ref[49:50]) < 2e-2

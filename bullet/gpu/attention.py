@@ -171,7 +171,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     ``enable_gqa`` (pass KV heads unexpanded to SDPA).
     Returns ``[T, H, D]``."""
     T, H, D = q.shape
-    KVH = k.shape[1]
     nd = meta.num_decode
     cfg = prefill_config or {}
     if nd == meta.num_seqs - 1 and nd == 0 and meta.ctx_lens is not None and meta.ctx_lens[0] == T:
@@ -186,15 +185,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     assert meta.ctx_lens is not None, "multi-token chunks need host-side lengths (use build_meta)"
     B = meta.block_size
     row = nd
-    k_flat, v_flat = k_cache.view(-1, KVH, D), v_cache.view(-1, KVH, D)
     for i in range(nd, meta.num_seqs):
         n, ctx = meta.q_lens[i], meta.ctx_lens[i]
         if ctx == n:
             o = _prefill_one(q[row:row + n], k[row:row + n], v[row:row + n], None, scale, cfg)
         else:  # over a cached prefix: the context's k/v come from the pool (the new tokens are there too)
             p = torch.arange(ctx, device=q.device)
-            slots = meta.block_tables[i].long()[p // B] * B + p % B
-            o = _prefill_one(q[row:row + n], k_flat[slots], v_flat[slots], ctx, scale, cfg)
+            blocks, offs = meta.block_tables[i].long()[p // B], p % B
+            o = _prefill_one(q[row:row + n], k_cache[blocks, offs], v_cache[blocks, offs], ctx, scale, cfg)
         out[row:row + n] = o
         row += n
     return out

@@ -30,6 +30,10 @@ blocks on an event only while a single lane is in flight, and otherwise polls ev
 lane that finishes first is seen first). The eager path's ``build_meta`` copies its metadata from pageable
 memory, which waits for the lane's stream; the graph path fills pinned buffers asynchronously.
 
+Options: ``kv_layout`` is the pool's order within a block (``PagedKvCache``: "hnd" or "nhd");
+``one_token_gemv`` the launch options of the fused GEMV path for one-token forwards (batch-1 decode; see
+``kernels/gemv.py``): "default" takes ``GEMV_DEFAULT`` on CUDA and cuBLAS on the CPU, None always cuBLAS.
+
 Lifetime: ``close()`` synchronizes and drops the graphs and pinned buffers, which were used on the menu's
 streams; close the executor before closing a menu it was given (a menu it made itself it closes).
 """
@@ -47,6 +51,7 @@ from ..batch import Batch, Chunk, Lane, StepResult
 from ..config import ModelSpec
 from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
+from .kernels.gemv import GEMV_DEFAULT
 from .kvcache import PagedKvCache
 from .model import Model
 from .partitions import PartitionMenu, Side
@@ -109,7 +114,8 @@ class GpuExecutor:
                  reserved_bytes: int = 4 << 30, menu: PartitionMenu | None = None, use_graphs: bool = True,
                  seed: int = 0, dtype: torch.dtype | None = None, weights: dict | None = None,
                  max_requests: int = 16384, graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 graph_max_context: int = 16384, poll_s: float = 0.0) -> None:
+                 graph_max_context: int = 16384, poll_s: float = 0.0, kv_layout: str = "hnd",
+                 one_token_gemv: dict | None | str = "default") -> None:
         self._t0 = time.perf_counter()
         self.spec = spec
         self.device = torch.device(device)
@@ -124,12 +130,15 @@ class GpuExecutor:
             weights = load_weights(spec, weights_source, self.device, self.dtype, seed=seed)
         self.model = Model(spec, weights, self.device, self.dtype)
         del weights
+        if one_token_gemv == "default":  # the fused GEMV path for one-token forwards, on CUDA only
+            one_token_gemv = dict(GEMV_DEFAULT) if self.cuda else None
+        self.model.gemv_config = one_token_gemv
         if num_blocks is None:
             if not self.cuda:
                 raise ValueError("GpuExecutor on the CPU needs num_blocks")
             num_blocks = PagedKvCache.blocks_for_memory(spec, block_size, gpu_memory_utilization,
                                                         reserved_bytes, self.device)
-        self.kv = PagedKvCache(spec, num_blocks, block_size, self.device, self.dtype)
+        self.kv = PagedKvCache(spec, num_blocks, block_size, self.device, self.dtype, layout=kv_layout)
         self.menu = menu
         self._own_menu = self.cuda and menu is None
         if self._own_menu:

@@ -6,24 +6,39 @@ import torch
 
 from ..config import ModelSpec
 
+LAYOUTS = ("hnd", "nhd")
+
 
 class PagedKvCache:
-    """``k`` and ``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]``. Token ``p`` of a request
-    whose block table is ``T`` lives at slot ``T[p // block_size] * block_size + p % block_size``."""
+    """``k`` and ``v``: ``[layers, num_blocks, block_size, kv_heads, head_dim]`` (logical order; every kernel
+    takes the strides). Token ``p`` of a request whose block table is ``T`` lives in block
+    ``T[p // block_size]`` at offset ``p % block_size``.
+
+    ``layout`` is the order in memory within a block: ``"hnd"`` (default) keeps each KV head's
+    ``block_size x head_dim`` tile contiguous, so the decode kernel, one program per (sequence, KV head),
+    streams whole 4 KiB tiles; ``"nhd"`` keeps each token's heads together (2 KiB for 8 x 128), the same
+    program then reading 256-byte pieces at a 2 KiB stride. bench/gpu_kernels.py measures both."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int = 16,
-                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
+                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "hnd") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("PagedKvCache: num_blocks and block_size must be >= 1")
+        if layout not in LAYOUTS:
+            raise ValueError(f"PagedKvCache: layout {layout!r} is not one of {LAYOUTS}")
+        self.layout = layout
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (spec.num_layers, num_blocks, block_size, spec.kv_heads_per_gpu, spec.head_dim)
+        L, N, B, KVH, D = spec.num_layers, num_blocks, block_size, spec.kv_heads_per_gpu, spec.head_dim
         # zeros, not empty: no path reads unwritten slots, but garbage NaNs would hide such a bug poorly
-        self.k = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=dtype)
+        if layout == "hnd":
+            self.k, self.v = (torch.zeros((L, N, KVH, B, D), device=self.device, dtype=dtype).transpose(2, 3)
+                              for _ in range(2))
+        else:
+            self.k, self.v = (torch.zeros((L, N, B, KVH, D), device=self.device, dtype=dtype) for _ in range(2))
 
     @property
     def nbytes(self) -> int:

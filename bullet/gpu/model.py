@@ -92,7 +92,8 @@ class Model:
         self.scale = spec.head_dim ** -0.5
         self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned)
         self.prefill_config: dict = {}  # SDPA options of the prefill path (bench-tuned)
-        self.gemv_config: dict | None = None  # one-row launches: Triton GEMV with these options (None: cuBLAS)
+        # one-token forwards: the fused GEMV path with these options (``kernels.gemv``); None: cuBLAS
+        self.gemv_config: dict | None = None
 
     def forward(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
@@ -102,8 +103,10 @@ class Model:
         if not 0 <= layers.start <= layers.stop <= spec.num_layers or layers.step != 1:
             raise ValueError(f"Model.forward: layers {layers} is not a slice of 0..{spec.num_layers}")
         h = F.embedding(x, self.embed) if layers.start == 0 else x
-        residual, delta = h, None
         eps = spec.rms_norm_eps
+        if self.gemv_config is not None and h.shape[0] == 1:
+            return self._forward_one(h if layers.start == 0 else h.clone(), layers, meta, kv)
+        residual, delta = h, None
         for i in layers:
             layer = self.layers[i]
             xn, residual = rms_norm(residual if delta is None else delta, layer.ln1, eps,
@@ -117,19 +120,40 @@ class Model:
             return out
         return residual if delta is None else residual + delta
 
+    def _forward_one(self, h: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
+        """One token (batch-1 decode): four fused GEMVs per layer (norm into the q/k/v and gate/up products,
+        SiLU into gate/up, the residual adds into o and down), ``h`` updated in place. Rounds as ``forward``."""
+        spec, cfg, eps = self.spec, self.gemv_config, self.spec.rms_norm_eps
+        pdl = bool(cfg.get("pdl"))  # then every kernel of the step is a programmatic dependent launch
+        for i in layers:
+            layer = self.layers[i]
+            qkv = gemv(h, layer.wqkv, layer.bqkv, norm=layer.ln1, eps=eps, **cfg)
+            o = self._attend(i, layer, qkv, meta, kv, pdl)
+            gemv(o, layer.wo, residual=h, **cfg)
+            act = gemv(h, layer.w_gate_up, norm=layer.ln2, eps=eps, swiglu=True, **cfg)
+            gemv(act, layer.w_down, residual=h, **cfg)
+        if layers.stop == spec.num_layers:
+            return rms_norm(h, self.norm, eps, pdl=pdl)[0]
+        return h
+
     def _attention(self, i: int, layer: _Layer, xn: torch.Tensor, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
+        return self._linear(self._attend(i, layer, self._linear(xn, layer.wqkv, layer.bqkv), meta, kv), layer.wo)
+
+    def _attend(self, i: int, layer: _Layer, qkv: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
+                pdl: bool = False) -> torch.Tensor:
+        """RoPE, the k/v store and attention on the q/k/v projection ``[T, (H + 2 KVH) D]``: ``[T, H D]``."""
         spec = self.spec
         H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
-        T = xn.shape[0]
-        qkv = self._linear(xn, layer.wqkv, layer.bqkv)
+        T = qkv.shape[0]
         k_cache, v_cache = kv.layer(i)
         rope_and_store(qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, H, KVH, D,
-                       layer.q_norm, layer.k_norm, spec.rms_norm_eps)
+                       layer.q_norm, layer.k_norm, spec.rms_norm_eps, pdl=pdl)
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        o = attention(q, k, v, meta, k_cache, v_cache, self.scale, self.decode_config, self.prefill_config)
-        return self._linear(o.reshape(T, H * D), layer.wo)
+        dcfg = {**self.decode_config, "pdl": True} if pdl else self.decode_config
+        o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
+        return o.reshape(T, H * D)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:
         return self._linear(silu_mul(self._linear(xn, layer.w_gate_up)), layer.w_down)

@@ -27,3 +27,9 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """Launch options of a programmatic dependent launch (Hopper and newer, CUDA only): the kernel may start
+    while the previous one finishes, and must ``gdc_wait`` before it reads that kernel's outputs."""
+    return {"launch_pdl": True} if pdl else {}

@@ -8,19 +8,28 @@ import math
 
 import torch
 
-from . import HAVE_TRITON, next_pow2, use_triton
+from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    try:  # host-side TMA descriptors (Triton >= 3.4)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        TensorDescriptor = None
+
     @triton.jit
     def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
-                             stride_qs, stride_qh, stride_bt, stride_cl, stride_cslot, stride_chead,
+                             stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-                             PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr):
+                             PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr,
+                             PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if HEAD_FIRST:  # neighbouring programs share a sequence: they read the same pages together
             kvh = tl.program_id(0)
             s = tl.program_id(1).to(tl.int64)
@@ -49,8 +58,8 @@ if HAVE_TRITON:
             page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
             if not OFF32:  # 32-bit offsets where the layer's pool has < 2^31 elements: fewer instructions
                 page = page.to(tl.int64)
-            slot = page * PAGE + offs_n % PAGE
-            kv_off = slot[:, None] * stride_cslot + head_off + offs_d[None, :]
+            tok = page * stride_cpage + (offs_n % PAGE) * stride_ctok
+            kv_off = tok[:, None] + head_off + offs_d[None, :]
             k = tl.load(KC + kv_off, mask=nmask[:, None], other=0.0)
             v = tl.load(VC + kv_off, mask=nmask[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -73,8 +82,68 @@ if HAVE_TRITON:
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
 
     @triton.jit
+    def _decode_tma_kernel(Q, KD, VD, BT, CL, OUT, OP, LP, scale,
+                           stride_qs, stride_qh, stride_bt, stride_cl, stride_os, stride_oh, stride_ps, stride_ph,
+                           stride_psp, num_splits, KVH: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
+                           GP: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+                           HEAD_FIRST: tl.constexpr, PDL: tl.constexpr):
+        """As ``_decode_split_kernel``, one page per step, each page's ``PAGE x D`` tile of this KV head
+        fetched by the tensor-memory accelerator (descriptors over the "hnd" pool: ``[blocks * KVH * PAGE,
+        D]``), so the copies run ahead without occupying the program's threads."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if HEAD_FIRST:
+            kvh = tl.program_id(0)
+            s = tl.program_id(1).to(tl.int64)
+        else:
+            s = tl.program_id(0).to(tl.int64)
+            kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        ctx = tl.load(CL + s * stride_cl)
+        per = tl.cdiv(tl.cdiv(ctx, PAGE), num_splits)
+        lo = sp * per
+        hi = tl.minimum(lo + per, tl.cdiv(ctx, PAGE))
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        offs_p = tl.arange(0, PAGE)
+        gmask = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                    other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        bt = BT + s * stride_bt
+        for j in range(lo, hi):
+            row = (tl.load(bt + j) * KVH + kvh) * PAGE
+            k = KD.load([row, 0])
+            v = VD.load([row, 0])
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where((j * PAGE + offs_p < ctx)[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        if DIRECT:
+            tl.store(OUT + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+        else:
+            lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
+            tl.store(OP + s * stride_ps + heads[:, None] * stride_ph + sp * stride_psp + offs_d[None, :], o,
+                     mask=gmask[:, None])
+            tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
+
+    @triton.jit
     def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
-                              D: tl.constexpr, SP2: tl.constexpr):
+                              D: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         s = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_sp = tl.arange(0, SP2)
@@ -104,12 +173,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool = False) -> torch.Tensor:
+                           offsets32: bool = False, pdl: bool = False, tma: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
-    ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]``;
+    ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]`` views
+    with a unit last stride (either pool layout of ``PagedKvCache``; ``v`` strided as ``k``);
     ``block_tables``: ``[S, max_blocks]`` int; ``context_lens``: ``[S]`` int (0: the row is padding, output
-    0); ``max_context``: an upper bound on ``context_lens`` (sizes the split). Returns ``[S, H, D]``."""
+    0); ``max_context``: an upper bound on ``context_lens`` (sizes the split); ``pdl``: programmatic dependent
+    launches (see ``kernels.gemv``); ``tma``: the page-per-step kernel whose tiles the tensor-memory
+    accelerator loads (Hopper and newer; "hnd" pools only; ``block_n`` and ``offsets32`` do not apply).
+    Returns ``[S, H, D]``."""
     S, H, D = q.shape
     _, page, KVH, _ = k_cache.shape
     if out is None:
@@ -119,8 +192,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not use_triton(q):
         out.copy_(_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale))
         return out
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     G = H // KVH
+    pdl = pdl and q.is_cuda
     block_n = block_n or (64 if D <= 128 else 32)
     splits = num_splits or decode_splits(S, KVH, max_context, block_n)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -132,17 +206,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lp = torch.empty((S, H, splits), device=q.device, dtype=torch.float32)
         sps, sph, spsp = op.stride(0), op.stride(1), op.stride(2)
     grid = (KVH, S, splits) if head_first else (S, KVH, splits)
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
-        PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
-        PRECISION=precision, HEAD_FIRST=head_first,
-        OFF32=bool(offsets32) and k_cache.numel() < 2**31,
-        num_warps=num_warps, num_stages=num_stages)
+    if tma:
+        assert TensorDescriptor is not None, "tma: this Triton has no tensor descriptors"
+        assert k_cache.transpose(1, 2).is_contiguous(), "tma: the pool must be in the 'hnd' layout"
+        kd, vd = (TensorDescriptor.from_tensor(c.transpose(1, 2).reshape(-1, D), [page, D])
+                  for c in (k_cache, v_cache))
+        _decode_tma_kernel[grid](
+            q, kd, vd, block_tables, context_lens, out, op, lp, scale, q.stride(0), q.stride(1),
+            block_tables.stride(0), context_lens.stride(0), out.stride(0), out.stride(1), sps, sph, spsp, splits,
+            KVH=KVH, PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, DIRECT=splits == 1, PRECISION=precision,
+            HEAD_FIRST=head_first, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
+    else:
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
+            q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
+            PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
+            PRECISION=precision, HEAD_FIRST=head_first,
+            OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
+            num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
-                                      D=D, SP2=next_pow2(splits), num_warps=4)
+                                      D=D, SP2=next_pow2(splits), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
@@ -153,10 +238,9 @@ def _decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> tor
     G = H // KVH
     width = block_tables.shape[1] * page
     pos = torch.arange(width, device=q.device)
-    bt = block_tables.long()
-    slots = bt[:, pos // page] * page + pos % page  # [S, width]
-    k = k_cache.reshape(-1, KVH, D)[slots].float()  # [S, width, KVH, D]
-    v = v_cache.reshape(-1, KVH, D)[slots].float()
+    blocks, offs = block_tables.long()[:, pos // page], pos % page  # [S, width] each
+    k = k_cache[blocks, offs].float()  # [S, width, KVH, D]
+    v = v_cache[blocks, offs].float()
     qf = q.float().view(S, KVH, G, D)
     scores = torch.einsum("skgd,snkd->skgn", qf, k) * scale
     valid = pos[None, :] < context_lens.long()[:, None]  # [S, width]

@@ -1,46 +1,125 @@
-"""``y = x @ W.T (+ b)`` for one row ``x`` (batch-1 decode): a weight-streaming GEMV. Each program owns
-``BLOCK_N`` output features and walks K in ``BLOCK_K`` steps, so many small programs keep every SM reading.
-Used by the model only where the bench measured it faster than cuBLAS (``Model.gemv_config``)."""
+"""One-row matrix-vector products for batch-1 decode, with the small ops around them fused in.
+
+``y = x @ W.T`` streams the weights once; at batch 1 that is the whole cost of a step, and the ~10 small
+kernels per layer between the products (norms, residual adds, SiLU) cost more than their bytes. So one
+kernel does, as asked:
+
+- ``norm``: RMSNorm of ``x`` first (each program recomputes the row's rms from L2: ``x`` is 8-28 KiB),
+  rounded to the model dtype exactly as ``rms_norm`` rounds it;
+- ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``), each program takes matching gate and up rows and writes
+  ``silu(gate) * up`` (``I`` outputs), as ``silu_mul`` after the product would;
+- ``residual``: ``residual += y`` in place (``y`` rounded first, then the sum, as the unfused adds round);
+- ``pdl``: launched as a programmatic dependent launch (Hopper and newer): a program loads its first weight
+  tile before waiting for the previous kernel (weights are never written), so the launch and the first
+  memory round trip overlap the previous kernel's tail.
+
+Each program owns ``block_n`` output rows and walks K in ``block_k`` steps, keeping the next tile's load in
+flight while it multiplies the current one.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import HAVE_TRITON, use_triton
+from . import HAVE_TRITON, pdl_launch, use_triton
+
+# launch options of the one-token path on CUDA (GpuExecutor's default), from bench/gpu_kernels.py's sweep
+GEMV_DEFAULT = {"block_n": 4, "block_k": 1024, "num_warps": 4, "pdl": True}
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_kernel(X, NW, W, B, R, Y, N, K, stride_w, eps,
+                     NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
         rows = W + offs_n.to(tl.int64)[:, None] * stride_w
+        rows_up = rows + N * stride_w  # SWIGLU only: the up half's matching rows
+        wmask = nmask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        if SWIGLU:
+            wu = tl.load(rows_up + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        if PDL:  # everything above reads weights only; the previous kernel's outputs are read below
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if NORM:
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xk = tl.load(X + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                ss += xk * xk
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            kmask = offs_k < K
-            x = tl.load(X + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            kk = k0 + offs_k
+            kmask = kk < K
+            nk = kk + BLOCK_K  # the next tile, in flight while this one is multiplied
+            nwmask = nmask[:, None] & (nk < K)[None, :]
+            w_next = tl.load(rows + nk[None, :], mask=nwmask, other=0.0, eviction_policy="evict_first")
+            if SWIGLU:
+                wu_next = tl.load(rows_up + nk[None, :], mask=nwmask, other=0.0, eviction_policy="evict_first")
+            x = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32)
+            if NORM:
+                nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+                x = (x * rstd * nw).to(X.dtype.element_ty).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
+            if SWIGLU:
+                acc_up += wu.to(tl.float32) * x[None, :]
+                wu = wu_next
+            w = w_next
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            g = y.to(Y.dtype.element_ty).to(tl.float32)  # the unfused path rounds both products
+            u = tl.sum(acc_up, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * u
+        if RESIDUAL:
+            r = tl.load(R + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + r
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, block_n: int = 8,
-         block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with unit last stride. Returns ``[1, N]``."""
-    if not use_triton(x) or x.shape[0] != 1:
-        return F.linear(x, w, b)
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
+         eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None, block_n: int = 4,
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+    """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
+
+    Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
+    written into ``residual`` and that is returned. ``norm``: RMSNorm weight ``[K]`` applied to ``x`` first."""
     N, K = w.shape
-    y = torch.empty((1, N), device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, b if b is not None else w, y, N, K, w.stride(0),
-                                             HAS_BIAS=b is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             num_warps=num_warps, num_stages=num_stages)
+    if swiglu:
+        assert N % 2 == 0 and b is None, "gemv: swiglu takes [gate; up] weights without bias"
+        N //= 2
+    if not use_triton(x):
+        return _gemv_torch(x, w, b, norm, eps, swiglu, residual)
+    assert x.shape == (1, K) and x.is_contiguous() and w.stride(1) == 1
+    out = residual if residual is not None else torch.empty((1, N), device=x.device, dtype=x.dtype)
+    assert out.shape == (1, N) and out.is_contiguous()
+    pdl = pdl and x.is_cuda  # the interpreter has no grid-dependency control
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
+        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None, PDL=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(pdl))
+    return out
+
+
+def _gemv_torch(x, w, b, norm, eps, swiglu, residual) -> torch.Tensor:
+    """The same semantics from unfused torch ops (the CPU path; the reference in tests)."""
+    if norm is not None:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()).to(x.dtype)
+    y = F.linear(x, w, b)
+    if swiglu:
+        g, u = y.chunk(2, dim=-1)
+        y = (F.silu(g.float()) * u.float()).to(x.dtype)
+    if residual is not None:
+        residual.copy_(y + residual)
+        return residual
     return y

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, next_pow2, use_triton
+from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -12,7 +12,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, OUT, ROUT, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -29,9 +32,9 @@ if HAVE_TRITON:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + residual`` (rounded to x's dtype; ``s = x`` without a residual), ``y = s / rms(s) * weight``.
-    Returns ``(y, s)``. ``x``: ``[T, N]`` with a unit last stride."""
+    Returns ``(y, s)``. ``x``: ``[T, N]`` with a unit last stride. ``pdl``: a programmatic dependent launch."""
     if not use_triton(x):
         s = x if residual is None else x + residual
         sf = s.float()
@@ -43,8 +46,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         s, r = x, x
     else:
         s, r = torch.empty_like(x), residual
+    pdl = pdl and x.is_cuda
     if T:
         block = next_pow2(N)
         _rms_norm_kernel[(T,)](x, r, weight, out, s, x.stride(0), r.stride(0), out.stride(0), s.stride(0), N, eps,
-                               HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+                               HAS_RES=residual is not None, BLOCK=block, PDL=pdl,
+                               num_warps=max(1, min(16, block // 512)), **pdl_launch(pdl))
     return out, s

@@ -29,10 +29,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_store_kernel(QKV, stride_t, POS, stride_pos, COSSIN, stride_cs, QNW, KNW, eps,
-                           KC, VC, SLOT, stride_slot, stride_cslot, stride_chead,
+                           KC, VC, SLOT, stride_slot, stride_cpage, stride_ctok, stride_chead,
+                           PAGE: tl.constexpr,
                            H: tl.constexpr, KVH: tl.constexpr, HP2: tl.constexpr, KVHP2: tl.constexpr,
-                           D: tl.constexpr, QK_NORM: tl.constexpr):
+                           D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
         HALF: tl.constexpr = D // 2
+        if PDL:  # launched as a programmatic dependent launch: wait for the previous kernel's outputs
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(POS + t * stride_pos).to(tl.int64)
         offs_d = tl.arange(0, HALF)
@@ -57,23 +61,27 @@ if HAVE_TRITON:
         tl.store(kp + HALF, k2, mask=kmask)
         slot = tl.load(SLOT + t * stride_slot).to(tl.int64)
         if slot >= 0:
-            cp = slot * stride_cslot + offs_kh[:, None] * stride_chead + offs_d[None, :]
+            cp = (slot // PAGE) * stride_cpage + (slot % PAGE) * stride_ctok + offs_kh[:, None] * stride_chead \
+                + offs_d[None, :]
             tl.store(KC + cp, k1.to(KC.dtype.element_ty), mask=kmask)
             tl.store(KC + cp + HALF, k2.to(KC.dtype.element_ty), mask=kmask)
             offs_fd = tl.arange(0, D)
             v = tl.load(base + (H + KVH) * D + offs_kh[:, None] * D + offs_fd[None, :], mask=kmask, other=0.0)
-            tl.store(VC + slot * stride_cslot + offs_kh[:, None] * stride_chead + offs_fd[None, :],
-                     v.to(VC.dtype.element_ty), mask=kmask)
+            vp = (slot // PAGE) * stride_cpage + (slot % PAGE) * stride_ctok + offs_kh[:, None] * stride_chead \
+                + offs_fd[None, :]
+            tl.store(VC + vp, v.to(VC.dtype.element_ty), mask=kmask)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
                    head_dim: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> None:
+                   eps: float = 1e-6, pdl: bool = False) -> None:
     """In place on ``qkv`` (``[T, (H + 2 KVH) * D]``, unit last stride): per-head RMSNorm of q and k when
     ``q_norm``/``k_norm`` are given, then RoPE (rotate-half convention; ``cos_sin[p] = [cos | sin]`` of
-    position ``p``); then k and v go to the pool (``[num_blocks, block_size, KVH, D]``) at
-    ``slot_mapping`` (rows with a negative slot are not stored)."""
+    position ``p``); then k and v go to the pool (``[num_blocks, block_size, KVH, D]`` views with a unit last
+    stride, either layout of ``PagedKvCache``) at
+    ``slot_mapping`` (rows with a negative slot are not stored). ``pdl``: a programmatic dependent launch
+    (see ``kernels.gemv``)."""
     H, KVH, D = num_heads, num_kv_heads, head_dim
     T = qkv.shape[0]
     if T == 0:
@@ -82,13 +90,14 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         _rope_and_store_torch(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H, KVH, D,
                               q_norm, k_norm, eps)
         return
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.stride(1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and cos_sin.stride(1) == 1
     qk_norm = q_norm is not None
+    pdl = pdl and qkv.is_cuda  # the interpreter has no grid-dependency control
     _rope_store_kernel[(T,)](
         qkv, qkv.stride(0), positions, positions.stride(0), cos_sin, cos_sin.stride(0),
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps,
-        k_cache, v_cache, slot_mapping, slot_mapping.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=H, KVH=KVH, HP2=next_pow2(H), KVHP2=next_pow2(KVH), D=D, QK_NORM=qk_norm,
+        k_cache, v_cache, slot_mapping, slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), PAGE=k_cache.shape[1], H=H, KVH=KVH, HP2=next_pow2(H), KVHP2=next_pow2(KVH), D=D, QK_NORM=qk_norm,
         num_warps=4)
 
 
@@ -115,5 +124,6 @@ def _rope_and_store_torch(qkv, positions, cos_sin, k_cache, v_cache, slot_mappin
     keep = slots >= 0
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, KVH, D).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, KVH, D).index_copy_(0, slots, v.to(v_cache.dtype))
+    page = k_cache.shape[1]
+    k_cache[slots // page, slots % page] = k.to(k_cache.dtype)  # writes through either layout's view
+    v_cache[slots // page, slots % page] = v.to(v_cache.dtype)
