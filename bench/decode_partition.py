@@ -88,18 +88,16 @@ def main() -> None:
         if lay == "hnd":
             k.copy_(pools["nhd"][0])
             v.copy_(pools["nhd"][1])
-        for sp, tma in itertools.product((1, 4), (False, True) if lay == "hnd" else (False,)):
-            got = paged_decode_attention(q, k, v, tables, cl, D**-0.5, CTX, num_splits=sp, tma=tma).float()
+        for sp in (1, 4):
+            got = paged_decode_attention(q, k, v, tables, cl, D**-0.5, CTX, num_splits=sp).float()
             err = float((got - ref).norm() / ref.norm())
-            assert err < 1e-2, (lay, sp, tma, err)
+            assert err < 1e-2, (lay, sp, err)
 
     opts = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "num_splits": (1, 2, 4, 8)}
     if args.quick:
         opts = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (3,), "num_splits": (1, 2, 4)}
     configs = [("nhd", dict(zip(opts, v))) for v in itertools.product(*opts.values())]
     configs += [("hnd", c) for _, c in configs]
-    tma_opts = {"num_warps": (4, 8), "num_stages": (2, 3, 4, 6), "num_splits": (1, 2, 4, 8)}
-    configs += [("hnd", {"tma": True, **dict(zip(tma_opts, v))}) for v in itertools.product(*tma_opts.values())]
 
     w = load_weights(spec, "dummy", dev, torch.bfloat16, seed=0)
     mats = [w[f"model.layers.{i}.{n}"] for i in range(spec.num_layers)
@@ -128,7 +126,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a config may not fit (shared memory): report, go on
                 print(name, lay, cfg, "failed:", type(e).__name__, str(e)[:120])
                 continue
-            attn[json.dumps({"layout": lay + ("+tma" if cfg.get("tma") else ""), **cfg})] = attn_bytes / t / 1e12
+            attn[json.dumps({"layout": lay, **cfg})] = attn_bytes / t / 1e12
         r["attn_tb_s"] = attn
         r["attn_default_tb_s"] = {lay: attn_bytes / timeit_on(stream, lambda k=k, v=v: paged_decode_attention(
             q, k, v, tables, cl, D**-0.5, CTX, out=out)) / 1e12 for lay, (k, v) in pools.items()}
@@ -147,7 +145,7 @@ def main() -> None:
               "TB/s; best:")
         for cfg, bw in best:
             print(f"  {bw:.2f} TB/s  {cfg}")
-        for lay in ("nhd", "hnd", "hnd+tma"):
+        for lay in ("nhd", "hnd"):
             lb = max((bw, c) for c, bw in attn.items() if f'"{lay}"' in c)
             print(f"  best {lay}: {lb[0]:.2f} TB/s {lb[1]}")
 

@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--pairs", default="", help="comma-separated prefill SM counts (default: the whole menu)")
     ap.add_argument("--decode-config", default="", help="JSON launch options of the paged decode kernel "
-                    "(Model.decode_config), e.g. '{\"tma\": true, \"num_warps\": 4, \"num_stages\": 4}'")
+                    "(Model.decode_config), e.g. '{\"block_n\": 64, \"num_stages\": 2}'")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (no partitions)")
     args = ap.parse_args()

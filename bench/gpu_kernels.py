@@ -134,9 +134,6 @@ def main() -> None:
                for o32 in (True, False) for hf in (True, False) for bn in (64, 128) for nw in (4, 8) for st in (2, 3)]
     configs += [{"block_n": 64, "num_warps": 4, "num_stages": 3, "num_splits": sp, "head_first": True}
                 for sp in (2, 4)]
-    if args.kv_layout == "hnd":  # the TMA kernel (one page per step)
-        configs += [{"tma": True, "num_warps": nw, "num_stages": st, "num_splits": sp, "head_first": hf}
-                    for nw in (4, 8) for st in (2, 4, 6) for sp in (1, 2) for hf in (True, False)]
     for cfg in configs:
         try:
             t = timeit(lambda cfg=cfg: paged_decode_attention(q, kv.k[0], kv.v[0], bt, cl, D**-0.5, CTX, **cfg),

@@ -187,25 +187,8 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     for splits in (1, 2, 7, 64):
         check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
     for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2},
-                    {"offsets32": True}):
+                    {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1}):
         check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_gpu_decode_attention_tma_vs_float64(heads, case):
-    n, max_ctx, seed = case
-    g = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(1, max_ctx + 1, (n,), generator=g).tolist()
-    ctx[0] = max_ctx
-    if n > 2:
-        ctx[1] = 1
-    check_decode(ctx, heads[0], heads[1], 128, 16, "cuda", torch.bfloat16, seed, tol=1e-2, layout="hnd", tma=True)
-    check_decode([0, 5, 0, 300, 4000], 32, 8, 128, 16, "cuda", torch.float32, 8, tol=1e-5, layout="hnd", tma=True)
-    for splits in (1, 3, 64):
-        check_decode([3000, 17, 1, 0], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits,
-                     layout="hnd", tma=True, pdl=True)
 
 
 @pytest.mark.gpu

@@ -184,7 +184,7 @@ class GpuExecutor:
             self._inflight[lane] = self._run_cpu(batch)
             return
         side = self._side(batch)
-        with torch.cuda.stream(side.stream):
+        with torch.cuda.stream(side.stream), self.model.on_sms(side.num_sms):
             self._inflight[lane] = self._run_cuda(batch, side)
 
     def wait(self, until: float | None = None) -> list[StepResult]:
@@ -249,7 +249,7 @@ class GpuExecutor:
         if not self.use_graphs:
             return
         side = self.menu.side(lane, num_sms)
-        with torch.cuda.stream(side.stream):
+        with torch.cuda.stream(side.stream), self.model.on_sms(side.num_sms):
             for bs in sizes:
                 self.graphs(lane).capture(side, bs, greedy)
 

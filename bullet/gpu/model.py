@@ -8,6 +8,7 @@ rounded to the model dtype exactly as the fused add+RMSNorm rounds it) at a slic
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from ..config import ModelSpec
 from .attention import AttnMeta, attention
 from .kernels.activation import silu_mul
+from .kernels.decode_attention import launch_defaults
 from .kernels.gemv import gemv
 from .kernels.norm import rms_norm
 from .kernels.rope import rope_and_store
@@ -90,10 +92,20 @@ class Model:
                 w_down=get(p + "mlp.down_proj.weight").contiguous()))
         self.cos_sin = rope_cache(spec, self.device)
         self.scale = spec.head_dim ** -0.5
-        self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned)
+        self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned; override all)
+        self.num_sms: int | None = None  # SMs of the partition launches go to now (None: whole GPU; see on_sms)
         self.prefill_config: dict = {}  # SDPA options of the prefill path (bench-tuned)
         # one-token forwards: the fused GEMV path with these options (``kernels.gemv``); None: cuBLAS
         self.gemv_config: dict | None = None
+
+    @contextmanager
+    def on_sms(self, num_sms: int | None):
+        """Launches inside run on a partition of ``num_sms`` SMs: kernels take that size's launch options."""
+        prev, self.num_sms = self.num_sms, num_sms
+        try:
+            yield self
+        finally:
+            self.num_sms = prev
 
     def forward(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
@@ -151,7 +163,7 @@ class Model:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        dcfg = {**self.decode_config, "pdl": True} if pdl else self.decode_config
+        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True} if pdl else {})}
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
         return o.reshape(T, H * D)
 

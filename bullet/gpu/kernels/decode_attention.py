@@ -14,11 +14,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    try:  # host-side TMA descriptors (Triton >= 3.4)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - depends on the Triton version
-        TensorDescriptor = None
-
     @triton.jit
     def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
@@ -82,63 +77,6 @@ if HAVE_TRITON:
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
 
     @triton.jit
-    def _decode_tma_kernel(Q, KD, VD, BT, CL, OUT, OP, LP, scale,
-                           stride_qs, stride_qh, stride_bt, stride_cl, stride_os, stride_oh, stride_ps, stride_ph,
-                           stride_psp, num_splits, KVH: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
-                           GP: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-                           HEAD_FIRST: tl.constexpr, PDL: tl.constexpr):
-        """As ``_decode_split_kernel``, one page per step, each page's ``PAGE x D`` tile of this KV head
-        fetched by the tensor-memory accelerator (descriptors over the "hnd" pool: ``[blocks * KVH * PAGE,
-        D]``), so the copies run ahead without occupying the program's threads."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        if HEAD_FIRST:
-            kvh = tl.program_id(0)
-            s = tl.program_id(1).to(tl.int64)
-        else:
-            s = tl.program_id(0).to(tl.int64)
-            kvh = tl.program_id(1)
-        sp = tl.program_id(2)
-        ctx = tl.load(CL + s * stride_cl)
-        per = tl.cdiv(tl.cdiv(ctx, PAGE), num_splits)
-        lo = sp * per
-        hi = tl.minimum(lo + per, tl.cdiv(ctx, PAGE))
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
-        offs_p = tl.arange(0, PAGE)
-        gmask = offs_g < G
-        heads = kvh * G + offs_g
-        q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
-                    other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        bt = BT + s * stride_bt
-        for j in range(lo, hi):
-            row = (tl.load(bt + j) * KVH + kvh) * PAGE
-            k = KD.load([row, 0])
-            v = VD.load([row, 0])
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where((j * PAGE + offs_p < ctx)[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        if DIRECT:
-            tl.store(OUT + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(OUT.dtype.element_ty), mask=gmask[:, None])
-        else:
-            lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
-            tl.store(OP + s * stride_ps + heads[:, None] * stride_ph + sp * stride_psp + offs_d[None, :], o,
-                     mask=gmask[:, None])
-            tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
-
-    @triton.jit
     def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
                               D: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr):
         if PDL:
@@ -161,6 +99,13 @@ if HAVE_TRITON:
         tl.store(OUT + s * stride_os + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
+def launch_defaults(num_sms: int | None) -> dict:
+    """Launch options by the SMs the kernel runs on (None: the whole GPU). On the H200 at 64 x 4096
+    (bench/decode_partition.py) two pipeline stages instead of three ran 15-19 % faster on 36- and 52-SM
+    partitions (three programs per SM instead of two) and 1-4 % slower on 68 SMs and the whole GPU."""
+    return {"num_stages": 2} if num_sms is not None and num_sms <= 56 else {}
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int = 64,
                   target_programs: int = 1024, max_splits: int = 64) -> int:
     """Context slices per (sequence, KV head): enough programs to fill the GPU, at least one tile each."""
@@ -173,16 +118,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool = False, pdl: bool = False, tma: bool = False) -> torch.Tensor:
+                           offsets32: bool = False, pdl: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]`` views
     with a unit last stride (either pool layout of ``PagedKvCache``; ``v`` strided as ``k``);
     ``block_tables``: ``[S, max_blocks]`` int; ``context_lens``: ``[S]`` int (0: the row is padding, output
     0); ``max_context``: an upper bound on ``context_lens`` (sizes the split); ``pdl``: programmatic dependent
-    launches (see ``kernels.gemv``); ``tma``: the page-per-step kernel whose tiles the tensor-memory
-    accelerator loads (Hopper and newer; "hnd" pools only; ``block_n`` and ``offsets32`` do not apply).
-    Returns ``[S, H, D]``."""
+    launches (see ``kernels.gemv``). Returns ``[S, H, D]``."""
     S, H, D = q.shape
     _, page, KVH, _ = k_cache.shape
     if out is None:
@@ -206,25 +149,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lp = torch.empty((S, H, splits), device=q.device, dtype=torch.float32)
         sps, sph, spsp = op.stride(0), op.stride(1), op.stride(2)
     grid = (KVH, S, splits) if head_first else (S, KVH, splits)
-    if tma:
-        assert TensorDescriptor is not None, "tma: this Triton has no tensor descriptors"
-        assert k_cache.transpose(1, 2).is_contiguous(), "tma: the pool must be in the 'hnd' layout"
-        kd, vd = (TensorDescriptor.from_tensor(c.transpose(1, 2).reshape(-1, D), [page, D])
-                  for c in (k_cache, v_cache))
-        _decode_tma_kernel[grid](
-            q, kd, vd, block_tables, context_lens, out, op, lp, scale, q.stride(0), q.stride(1),
-            block_tables.stride(0), context_lens.stride(0), out.stride(0), out.stride(1), sps, sph, spsp, splits,
-            KVH=KVH, PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, DIRECT=splits == 1, PRECISION=precision,
-            HEAD_FIRST=head_first, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
-    else:
-        _decode_split_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
-            q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
-            PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
-            PRECISION=precision, HEAD_FIRST=head_first,
-            OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
-            num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
+        PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
+        PRECISION=precision, HEAD_FIRST=head_first,
+        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
                                       D=D, SP2=next_pow2(splits), PDL=pdl, num_warps=4, **pdl_launch(pdl))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import HAVE_TRITON, next_pow2, use_triton
+from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -97,8 +97,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         qkv, qkv.stride(0), positions, positions.stride(0), cos_sin, cos_sin.stride(0),
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps,
         k_cache, v_cache, slot_mapping, slot_mapping.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), PAGE=k_cache.shape[1], H=H, KVH=KVH, HP2=next_pow2(H), KVHP2=next_pow2(KVH), D=D, QK_NORM=qk_norm,
-        num_warps=4)
+        k_cache.stride(2), PAGE=k_cache.shape[1], H=H, KVH=KVH, HP2=next_pow2(H), KVHP2=next_pow2(KVH), D=D,
+        QK_NORM=qk_norm, PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def _rope_and_store_torch(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, H, KVH, D,
