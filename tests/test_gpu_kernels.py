@@ -325,3 +325,43 @@ def test_padded_causal_prefill_matches_reference(n):
     s = s.masked_fill(torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vd)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+@pytest.mark.parametrize("options", [{"block_n": 2, "block_k": 512}, {"block_n": 8, "block_k": 512}, GEMV_DEFAULT])
+def test_gpu_gemv_rope_epilogue_equals_gemv_then_rope_and_store(heads, layout, options):
+    """The q/k/v GEMV with RoPE and the k/v store fused gives what the product followed by rope_and_store
+    gives: the row, and the pool."""
+    from bullet.gpu.kernels.gemv import RopeStore
+
+    h, kvh = heads
+    d, page, blocks, k = 128, 16, 6, 3584 if h == 28 else 4096
+    g = torch.Generator(device="cuda").manual_seed(h)
+    x = torch.randn(1, k, generator=g, device="cuda").bfloat16()
+    w = (torch.randn((h + 2 * kvh) * d, k, generator=g, device="cuda") / k**0.5).bfloat16()
+    b = torch.randn((h + 2 * kvh) * d, generator=g, device="cuda").bfloat16() if h == 28 else None
+    nw = (1 + torch.rand(k, generator=g, device="cuda")).bfloat16()
+    ang = torch.arange(4096, dtype=torch.float64, device="cuda")[:, None] * torch.rand(
+        d // 2, generator=g, device="cuda", dtype=torch.float64)
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float()
+
+    def pool():
+        if layout == "hnd":
+            return [torch.zeros(blocks, kvh, page, d, device="cuda").bfloat16().transpose(1, 2) for _ in range(2)]
+        return [torch.zeros(blocks, page, kvh, d, device="cuda").bfloat16() for _ in range(2)]
+
+    for p, slot in ((3000, 37), (5, -1)):
+        pos = torch.tensor([p], dtype=torch.int32, device="cuda")
+        slots = torch.tensor([slot], dtype=torch.int32, device="cuda")
+        kc0, vc0 = pool()
+        want = gemv(x, w, b, norm=nw, eps=1e-5, **options)
+        rope_and_store(want, pos, cos_sin, kc0, vc0, slots, h, kvh, d)
+        kc1, vc1 = pool()
+        got = gemv(x, w, b, norm=nw, eps=1e-5, rope=RopeStore(pos, cos_sin, kc1, vc1, slots, h, kvh, d), **options)
+        assert rel(got, want) < 5e-3  # the same arithmetic; FMA contraction may differ by an ulp
+        if slot >= 0:
+            assert rel(kc1, kc0) < 5e-3 and torch.equal(vc1, vc0)
+        else:
+            assert not kc1.any() and not vc1.any()

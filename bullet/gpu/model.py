@@ -18,7 +18,7 @@ from ..config import ModelSpec
 from .attention import AttnMeta, attention
 from .kernels.activation import silu_mul
 from .kernels.decode_attention import launch_defaults
-from .kernels.gemv import gemv
+from .kernels.gemv import RopeStore, gemv
 from .kernels.norm import rms_norm
 from .kernels.rope import rope_and_store
 from .kvcache import PagedKvCache
@@ -134,13 +134,19 @@ class Model:
 
     def _forward_one(self, h: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """One token (batch-1 decode): four fused GEMVs per layer (norm into the q/k/v and gate/up products,
-        SiLU into gate/up, the residual adds into o and down), ``h`` updated in place. Rounds as ``forward``."""
+        RoPE and the k/v store into q/k/v, SiLU into gate/up, the residual adds into o and down), ``h``
+        updated in place. Rounds as ``forward``."""
         spec, cfg, eps = self.spec, self.gemv_config, self.spec.rms_norm_eps
         pdl = bool(cfg.get("pdl"))  # then every kernel of the step is a programmatic dependent launch
+        H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+        bn = cfg.get("block_n", 4)
+        fuse_rope = not spec.qk_norm and D % bn == 0 and bn >= 2  # Qwen3's q/k norm needs whole heads
         for i in layers:
             layer = self.layers[i]
-            qkv = gemv(h, layer.wqkv, layer.bqkv, norm=layer.ln1, eps=eps, **cfg)
-            o = self._attend(i, layer, qkv, meta, kv, pdl)
+            rope = RopeStore(meta.positions, self.cos_sin, *kv.layer(i), meta.slot_mapping, H, KVH, D) \
+                if fuse_rope else None
+            qkv = gemv(h, layer.wqkv, layer.bqkv, norm=layer.ln1, eps=eps, rope=rope, **cfg)
+            o = self._attend(i, layer, qkv, meta, kv, pdl, stored=fuse_rope)
             gemv(o, layer.wo, residual=h, **cfg)
             act = gemv(h, layer.w_gate_up, norm=layer.ln2, eps=eps, swiglu=True, **cfg)
             gemv(act, layer.w_down, residual=h, **cfg)
@@ -152,14 +158,16 @@ class Model:
         return self._linear(self._attend(i, layer, self._linear(xn, layer.wqkv, layer.bqkv), meta, kv), layer.wo)
 
     def _attend(self, i: int, layer: _Layer, qkv: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
-                pdl: bool = False) -> torch.Tensor:
-        """RoPE, the k/v store and attention on the q/k/v projection ``[T, (H + 2 KVH) D]``: ``[T, H D]``."""
+                pdl: bool = False, stored: bool = False) -> torch.Tensor:
+        """RoPE, the k/v store and attention on the q/k/v projection ``[T, (H + 2 KVH) D]``: ``[T, H D]``.
+        ``stored``: the projection already did RoPE and the store (the fused GEMV)."""
         spec = self.spec
         H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
         T = qkv.shape[0]
         k_cache, v_cache = kv.layer(i)
-        rope_and_store(qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, H, KVH, D,
-                       layer.q_norm, layer.k_norm, spec.rms_norm_eps, pdl=pdl)
+        if not stored:
+            rope_and_store(qkv, meta.positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping, H, KVH, D,
+                           layer.q_norm, layer.k_norm, spec.rms_norm_eps, pdl=pdl)
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)

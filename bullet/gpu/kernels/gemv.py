@@ -9,6 +9,8 @@ kernel does, as asked:
 - ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``), each program takes matching gate and up rows and writes
   ``silu(gate) * up`` (``I`` outputs), as ``silu_mul`` after the product would;
 - ``residual``: ``residual += y`` in place (``y`` rounded first, then the sum, as the unfused adds round);
+- ``rope``: on the q/k/v projection, RoPE on q and k and the store of k and v into the paged pool (what
+  ``rope_and_store`` does after the product): each q/k program owns matching rotation pairs of one head;
 - ``pdl``: launched as a programmatic dependent launch (Hopper and newer): a program loads its first weight
   tile before waiting for the previous kernel (weights are never written), so the launch and the first
   memory round trip overlap the previous kernel's tail.
@@ -19,10 +21,13 @@ flight while it multiplies the current one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from . import HAVE_TRITON, pdl_launch, use_triton
+from .rope import rope_and_store
 
 # launch options of the one-token path on CUDA (GpuExecutor's default), from bench/gpu_kernels.py's sweep
 GEMV_DEFAULT = {"block_n": 4, "block_k": 1024, "num_warps": 4, "pdl": True}
@@ -33,10 +38,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemv_kernel(X, NW, W, B, R, Y, N, K, stride_w, eps,
+                     POS, COSSIN, stride_cs, KC, VC, SLOT, stride_cpage, stride_ctok, stride_chead,
                      NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                      PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        if ROPE:  # q/k programs own BLOCK_N / 2 rotation pairs (row f and f + D/2 of a head), interleaved
+            HALF: tl.constexpr = D // 2
+            HB: tl.constexpr = BLOCK_N // 2
+            j = tl.arange(0, BLOCK_N)
+            p0 = pid * HB  # first pair of this program
+            head_q = p0 // HALF
+            f0 = p0 % HALF
+            rot_rows = head_q * D + f0 + j // 2 + (j % 2) * HALF
+            is_rot = pid * BLOCK_N < (H + KVH) * D
+            offs_n = tl.where(is_rot, rot_rows, offs_n)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         rows = W + offs_n.to(tl.int64)[:, None] * stride_w
@@ -83,30 +100,81 @@ if HAVE_TRITON:
         if RESIDUAL:
             r = tl.load(R + offs_n, mask=nmask, other=0.0).to(tl.float32)
             y = y.to(Y.dtype.element_ty).to(tl.float32) + r
+        if ROPE:  # rotate q and k (rounded first, as rope_and_store reads them), then k and v to the pool
+            y = y.to(Y.dtype.element_ty).to(tl.float32)
+            pos = tl.load(POS).to(tl.int64)
+            if is_rot:
+                ya, yb = tl.split(tl.reshape(y, [HB, 2]))
+                offs_f = f0 + tl.arange(0, HB)
+                cos = tl.load(COSSIN + pos * stride_cs + offs_f)
+                sin = tl.load(COSSIN + pos * stride_cs + HALF + offs_f)
+                y = tl.reshape(tl.join(ya * cos - yb * sin, yb * cos + ya * sin), [BLOCK_N])
+            slot = tl.load(SLOT).to(tl.int64)
+            kv_row = offs_n - H * D  # k rows, then v rows
+            if (slot >= 0) & (pid * BLOCK_N >= H * D):
+                is_v = kv_row >= KVH * D
+                kvr = tl.where(is_v, kv_row - KVH * D, kv_row)
+                addr = (slot // PAGE) * stride_cpage + (slot % PAGE) * stride_ctok + (kvr // D) * stride_chead \
+                    + kvr % D
+                yk = y.to(KC.dtype.element_ty)
+                tl.store(KC + addr, yk, mask=nmask & ~is_v)
+                tl.store(VC + addr, yk, mask=nmask & is_v)
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=nmask)
 
 
+class RopeStore(NamedTuple):
+    """What ``rope_and_store`` takes besides the q/k/v row (no per-head q/k norm: Qwen3 keeps that kernel)."""
+
+    positions: torch.Tensor  # [1] int
+    cos_sin: torch.Tensor  # [max_position, D] float32
+    k_cache: torch.Tensor  # [num_blocks, page, KVH, D] views, unit last stride
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [1] int (negative: not stored)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
-         eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None, block_n: int = 4,
-         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+         eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
+         rope: RopeStore | None = None, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,
+         pdl: bool = False) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
-    written into ``residual`` and that is returned. ``norm``: RMSNorm weight ``[K]`` applied to ``x`` first."""
+    written into ``residual`` and that is returned. ``norm``: RMSNorm weight ``[K]`` applied to ``x`` first.
+    ``rope``: ``w`` is the fused q/k/v projection; q and k come out rotated and k, v are stored in the pool,
+    as ``rope_and_store`` on the product would."""
     N, K = w.shape
     if swiglu:
         assert N % 2 == 0 and b is None, "gemv: swiglu takes [gate; up] weights without bias"
         N //= 2
     if not use_triton(x):
-        return _gemv_torch(x, w, b, norm, eps, swiglu, residual)
+        y = _gemv_torch(x, w, b, norm, eps, swiglu, residual)
+        if rope is not None:
+            r = rope
+            rope_and_store(y, r.positions, r.cos_sin, r.k_cache, r.v_cache, r.slot_mapping, r.num_heads,
+                           r.num_kv_heads, r.head_dim)
+        return y
     assert x.shape == (1, K) and x.is_contiguous() and w.stride(1) == 1
     out = residual if residual is not None else torch.empty((1, N), device=x.device, dtype=x.dtype)
     assert out.shape == (1, N) and out.is_contiguous()
     pdl = pdl and x.is_cuda  # the interpreter has no grid-dependency control
+    if rope is not None:
+        r = rope
+        assert not swiglu and residual is None and r.head_dim % block_n == 0 and block_n >= 2
+        assert r.k_cache.stride() == r.v_cache.stride() and r.k_cache.stride(3) == 1
+        rope_args = (r.positions, r.cos_sin, r.cos_sin.stride(0), r.k_cache, r.v_cache, r.slot_mapping,
+                     r.k_cache.stride(0), r.k_cache.stride(1), r.k_cache.stride(2))
+        heads = {"H": r.num_heads, "KVH": r.num_kv_heads, "D": r.head_dim, "PAGE": r.k_cache.shape[1]}
+    else:
+        rope_args = (x, x, 0, x, x, x, 0, 0, 0)
+        heads = {"H": 1, "KVH": 1, "D": 2, "PAGE": 1}
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
-        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None, PDL=pdl,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(pdl))
+        *rope_args, NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None,
+        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **pdl_launch(pdl))
     return out
 
 
