@@ -171,7 +171,7 @@ class Model:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True} if pdl else {})}
+        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True, "merge": True} if pdl else {})}
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
         return o.reshape(T, H * D)
 
@@ -185,6 +185,8 @@ class Model:
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``."""
+        if self.gemv_config is not None and hidden.shape[0] == 1 and rows.numel() == 1:  # row 0: no gather
+            return gemv(hidden, self.lm_head, out_dtype=torch.float32, **self.gemv_config)
         return self._linear(hidden.index_select(0, rows), self.lm_head).float()
 
 

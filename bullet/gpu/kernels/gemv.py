@@ -137,27 +137,30 @@ class RopeStore(NamedTuple):
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
          eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
-         rope: RopeStore | None = None, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,
-         pdl: bool = False) -> torch.Tensor:
+         rope: RopeStore | None = None, out_dtype: torch.dtype | None = None, block_n: int = 4,
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
     written into ``residual`` and that is returned. ``norm``: RMSNorm weight ``[K]`` applied to ``x`` first.
     ``rope``: ``w`` is the fused q/k/v projection; q and k come out rotated and k, v are stored in the pool,
-    as ``rope_and_store`` on the product would."""
+    as ``rope_and_store`` on the product would. ``out_dtype``: of the result (default ``x``'s; not with
+    ``residual``)."""
     N, K = w.shape
     if swiglu:
         assert N % 2 == 0 and b is None, "gemv: swiglu takes [gate; up] weights without bias"
         N //= 2
     if not use_triton(x):
         y = _gemv_torch(x, w, b, norm, eps, swiglu, residual)
+        if out_dtype is not None and residual is None:
+            y = y.to(out_dtype)
         if rope is not None:
             r = rope
             rope_and_store(y, r.positions, r.cos_sin, r.k_cache, r.v_cache, r.slot_mapping, r.num_heads,
                            r.num_kv_heads, r.head_dim)
         return y
     assert x.shape == (1, K) and x.is_contiguous() and w.stride(1) == 1
-    out = residual if residual is not None else torch.empty((1, N), device=x.device, dtype=x.dtype)
+    out = residual if residual is not None else torch.empty((1, N), device=x.device, dtype=out_dtype or x.dtype)
     assert out.shape == (1, N) and out.is_contiguous()
     pdl = pdl and x.is_cuda  # the interpreter has no grid-dependency control
     if rope is not None:
