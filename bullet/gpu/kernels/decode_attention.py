@@ -15,20 +15,6 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _tile(q, KC, VC, kv_off, nmask, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
-        """Online softmax over one tile of keys: returns the updated ``(m_i, l_i, acc)``."""
-        k = tl.load(KC + kv_off, mask=nmask[:, None], other=0.0)
-        v = tl.load(VC + kv_off, mask=nmask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(nmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
@@ -36,6 +22,9 @@ if HAVE_TRITON:
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                              PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr,
                              PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if HEAD_FIRST:  # neighbouring programs share a sequence: they read the same pages together
             kvh = tl.program_id(0)
             s = tl.program_id(1).to(tl.int64)
@@ -43,8 +32,6 @@ if HAVE_TRITON:
             s = tl.program_id(0).to(tl.int64)
             kvh = tl.program_id(1)
         sp = tl.program_id(2)
-        # context lengths and block tables are written by the host before the step: with PDL they are read
-        # before waiting for the previous kernel (which writes q and the new token's k/v)
         ctx = tl.load(CL + s * stride_cl)
         per = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
         lo = sp * per
@@ -53,32 +40,31 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, D)
         gmask = offs_g < G
         heads = kvh * G + offs_g
+        q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                    other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         bt = BT + s * stride_bt
         head_off = kvh * stride_chead
-        if PDL:  # the first tile's pages ahead of the wait; each step then fetches the next tile's pages
-            offs_n = lo + tl.arange(0, BLOCK_N)
-            page = tl.load(bt + offs_n // PAGE, mask=offs_n < hi, other=0)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        q = tl.load(Q + s * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
-                    other=0.0)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < hi
-            if not PDL:
-                page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
-            if OFF32:  # 32-bit offsets where the layer's pool has < 2^31 elements: fewer instructions
-                tok = page * stride_cpage + (offs_n % PAGE) * stride_ctok
-            else:
-                tok = page.to(tl.int64) * stride_cpage + (offs_n % PAGE) * stride_ctok
+            page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
+            if not OFF32:  # 32-bit offsets where the layer's pool has < 2^31 elements: fewer instructions
+                page = page.to(tl.int64)
+            tok = page * stride_cpage + (offs_n % PAGE) * stride_ctok
             kv_off = tok[:, None] + head_off + offs_d[None, :]
-            if PDL:
-                nxt = offs_n + BLOCK_N
-                page = tl.load(bt + nxt // PAGE, mask=nxt < hi, other=0)
-            m_i, l_i, acc = _tile(q, KC, VC, kv_off, nmask, m_i, l_i, acc, scale, PRECISION)
+            k = tl.load(KC + kv_off, mask=nmask[:, None], other=0.0)
+            v = tl.load(VC + kv_off, mask=nmask[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(nmask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         if DIRECT:

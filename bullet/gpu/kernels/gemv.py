@@ -62,13 +62,7 @@ if HAVE_TRITON:
         w = tl.load(rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if SWIGLU:
             wu = tl.load(rows_up + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        if ROPE:  # positions, slots and cos/sin are written by the host before the step: read them early
-            pos = tl.load(POS).to(tl.int64)
-            slot = tl.load(SLOT).to(tl.int64)
-            offs_f = f0 + tl.arange(0, HB)
-            cos = tl.load(COSSIN + pos * stride_cs + offs_f)
-            sin = tl.load(COSSIN + pos * stride_cs + HALF + offs_f)
-        if PDL:  # everything above reads weights and host-written data only; kernel outputs are read below
+        if PDL:  # everything above reads weights only; the previous kernel's outputs are read below
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if NORM:
@@ -108,9 +102,14 @@ if HAVE_TRITON:
             y = y.to(Y.dtype.element_ty).to(tl.float32) + r
         if ROPE:  # rotate q and k (rounded first, as rope_and_store reads them), then k and v to the pool
             y = y.to(Y.dtype.element_ty).to(tl.float32)
+            pos = tl.load(POS).to(tl.int64)
             if is_rot:
                 ya, yb = tl.split(tl.reshape(y, [HB, 2]))
+                offs_f = f0 + tl.arange(0, HB)
+                cos = tl.load(COSSIN + pos * stride_cs + offs_f)
+                sin = tl.load(COSSIN + pos * stride_cs + HALF + offs_f)
                 y = tl.reshape(tl.join(ya * cos - yb * sin, yb * cos + ya * sin), [BLOCK_N])
+            slot = tl.load(SLOT).to(tl.int64)
             kv_row = offs_n - H * D  # k rows, then v rows
             if (slot >= 0) & (pid * BLOCK_N >= H * D):
                 is_v = kv_row >= KVH * D
