@@ -85,13 +85,13 @@ if HAVE_TRITON:
                     spmask = offs_sp < num_splits
                     for g in tl.static_range(G):
                         h = kvh * G + g
-                        lse_h = tl.load(LP + (s * stride_ps + h * stride_ph) // D + offs_sp, mask=spmask,
-                                        other=float("-inf"), cache_modifier=".cg")
+                        lse = tl.load(LP + (s * stride_ps + h * stride_ph) // D + offs_sp, mask=spmask,
+                                      other=float("-inf"), cache_modifier=".cg")
                         parts = tl.load(OP + s * stride_ps + h * stride_ph + offs_sp[:, None] * stride_psp
                                         + offs_d[None, :], mask=spmask[:, None], other=0.0, cache_modifier=".cg")
-                        m = tl.max(lse_h, axis=0)
+                        m = tl.max(lse, axis=0)
                         m = tl.where(m == float("-inf"), 0.0, m)
-                        w = tl.exp(lse_h - m)
+                        w = tl.exp(lse - m)
                         den = tl.sum(w, axis=0)
                         merged = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
                         tl.store(OUT + s * stride_os + h * stride_oh + offs_d, merged.to(OUT.dtype.element_ty))
