@@ -61,7 +61,7 @@ def capture(fn):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):  # the warm-up's stream: per-stream buffers made there are reused
+    with torch.cuda.graph(g):
         out = fn()
     return g, out
 

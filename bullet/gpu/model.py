@@ -171,7 +171,7 @@ class Model:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True, "merge": True} if pdl else {})}
+        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True} if pdl else {})}
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
         return o.reshape(T, H * D)
 

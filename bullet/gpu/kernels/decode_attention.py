@@ -1,7 +1,6 @@
 """Paged decode attention for GQA over ragged contexts, split-K (flash-decoding): each program takes one
 sequence, one KV head (with all the q heads that share it) and one slice of the context; a second launch
-merges the slices by their log-sum-exp (or, with ``merge``, the last slice of each group to finish does). With one slice
-the first launch writes the output directly."""
+merges the slices by their log-sum-exp. With one slice the first launch writes the output directly."""
 
 from __future__ import annotations
 
@@ -16,13 +15,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, SEM, scale,
+    def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                              PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr,
-                             PDL: tl.constexpr, MERGE: tl.constexpr, KVH: tl.constexpr, SP2: tl.constexpr):
+                             PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -76,26 +75,6 @@ if HAVE_TRITON:
             tl.store(OP + s * stride_ps + heads[:, None] * stride_ph + sp * stride_psp + offs_d[None, :], o,
                      mask=gmask[:, None])
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
-            if MERGE:  # the last slice of this (sequence, KV head) to finish merges them all: no 2nd launch
-                tl.debug_barrier()  # every thread's partial stores come before the release below
-                counter = SEM + s * KVH + kvh
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                    # every head of the group at once: the loads are independent, one round trip in all
-                    offs_sp = tl.arange(0, SP2)
-                    spmask = offs_sp < num_splits
-                    for g in tl.static_range(G):
-                        h = kvh * G + g
-                        lse = tl.load(LP + (s * stride_ps + h * stride_ph) // D + offs_sp, mask=spmask,
-                                      other=float("-inf"), cache_modifier=".cg")
-                        parts = tl.load(OP + s * stride_ps + h * stride_ph + offs_sp[:, None] * stride_psp
-                                        + offs_d[None, :], mask=spmask[:, None], other=0.0, cache_modifier=".cg")
-                        m = tl.max(lse, axis=0)
-                        m = tl.where(m == float("-inf"), 0.0, m)
-                        w = tl.exp(lse - m)
-                        den = tl.sum(w, axis=0)
-                        merged = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-                        tl.store(OUT + s * stride_os + h * stride_oh + offs_d, merged.to(OUT.dtype.element_ty))
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
     @triton.jit
     def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
@@ -139,15 +118,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool = False, pdl: bool = False, merge: bool = False) -> torch.Tensor:
+                           offsets32: bool = False, pdl: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]`` views
     with a unit last stride (either pool layout of ``PagedKvCache``; ``v`` strided as ``k``);
     ``block_tables``: ``[S, max_blocks]`` int; ``context_lens``: ``[S]`` int (0: the row is padding, output
     0); ``max_context``: an upper bound on ``context_lens`` (sizes the split); ``pdl``: programmatic dependent
-    launches (see ``kernels.gemv``); ``merge``: with several slices, the last slice of each (sequence, KV
-    head) to finish merges them (a per-stream semaphore) instead of a second launch. Returns ``[S, H, D]``."""
+    launches (see ``kernels.gemv``). Returns ``[S, H, D]``."""
     S, H, D = q.shape
     _, page, KVH, _ = k_cache.shape
     if out is None:
@@ -171,34 +149,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lp = torch.empty((S, H, splits), device=q.device, dtype=torch.float32)
         sps, sph, spsp = op.stride(0), op.stride(1), op.stride(2)
     grid = (KVH, S, splits) if head_first else (S, KVH, splits)
-    merge = merge and splits > 1 and q.is_cuda
-    sem = _semaphores(q.device, S * KVH) if merge else context_lens
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, sem, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
         PRECISION=precision, HEAD_FIRST=head_first,
-        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl, MERGE=merge, KVH=KVH, SP2=next_pow2(splits),
+        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
-    if splits > 1 and not merge:
+    if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
                                       D=D, SP2=next_pow2(splits), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
-
-
-_SEMAPHORES: dict[tuple, torch.Tensor] = {}
-
-
-def _semaphores(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for ``merge``, one set per stream (two lanes may run the kernel at once); the
-    merging program zeroes its counter again, so they are made once (outside graph capture: the eager
-    warm-up before a capture makes them) and stay zero between launches."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _SEMAPHORES.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _SEMAPHORES[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def _decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
