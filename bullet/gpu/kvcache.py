@@ -17,8 +17,8 @@ class PagedKvCache:
     ``layout`` is the order in memory within a block: ``"hnd"`` (default) keeps each KV head's
     ``block_size x head_dim`` tile contiguous (4 KiB for 16 x 128 bf16), which the decode kernel, one program
     per (sequence, KV head), reads whole; ``"nhd"`` keeps each token's heads together, the same program then
-    reading 256-byte pieces at a 2 KiB stride. On the H200 the two were within 1-3 % of each other, "hnd"
-    ahead on SM partitions (bench/decode_partition.py, bench/RESULTS.md)."""
+    reading 256-byte pieces at a 2 KiB stride. On the H200 the two were within 4 % of each other: "hnd" ~1 %
+    ahead on SM partitions, either ahead on the whole GPU (bench/decode_partition.py, bench/RESULTS.md)."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int = 16,
                  device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,

@@ -155,7 +155,7 @@ class Model:
         return h
 
     def _attention(self, i: int, layer: _Layer, xn: torch.Tensor, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
-        return self._linear(self._attend(i, layer, self._linear(xn, layer.wqkv, layer.bqkv), meta, kv), layer.wo)
+        return F.linear(self._attend(i, layer, F.linear(xn, layer.wqkv, layer.bqkv), meta, kv), layer.wo)
 
     def _attend(self, i: int, layer: _Layer, qkv: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
                 pdl: bool = False, stored: bool = False) -> torch.Tensor:
@@ -176,18 +176,16 @@ class Model:
         return o.reshape(T, H * D)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor) -> torch.Tensor:
-        return self._linear(silu_mul(self._linear(xn, layer.w_gate_up)), layer.w_down)
-
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if self.gemv_config is not None and x.shape[0] == 1 and x.is_contiguous():
-            return gemv(x, w, b, **self.gemv_config)
-        return F.linear(x, w, b)
+        return F.linear(silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``."""
-        if self.gemv_config is not None and hidden.shape[0] == 1 and rows.numel() == 1:  # row 0: no gather
-            return gemv(hidden, self.lm_head, out_dtype=torch.float32, **self.gemv_config)
-        return self._linear(hidden.index_select(0, rows), self.lm_head).float()
+        """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``. One row goes through the
+        GEMV path (fp32 straight out of the product) where ``gemv_config`` is set."""
+        one = hidden.shape[0] == 1 and rows.numel() == 1  # then rows is [0]: no gather
+        x = hidden if one else hidden.index_select(0, rows)
+        if self.gemv_config is not None and x.shape[0] == 1:
+            return gemv(x, self.lm_head, out_dtype=torch.float32, **self.gemv_config)
+        return F.linear(x, self.lm_head).float()
 
 
 # --- reference: plain torch, no paging, no fusion (for tests) --------------------------------------------

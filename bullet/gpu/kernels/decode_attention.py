@@ -101,8 +101,8 @@ if HAVE_TRITON:
 
 def launch_defaults(num_sms: int | None) -> dict:
     """Launch options by the SMs the kernel runs on (None: the whole GPU). On the H200 at 64 x 4096
-    (bench/decode_partition.py) two pipeline stages instead of three ran 15-19 % faster on 36- and 52-SM
-    partitions (three programs per SM instead of two) and 1-4 % slower on 68 SMs and the whole GPU."""
+    (bench/decode_partition.py) two pipeline stages instead of three ran 15-20 % faster on 36- and 52-SM
+    partitions (three programs per SM instead of two) and 0-3 % slower on 68 SMs and the whole GPU."""
     return {"num_stages": 2} if num_sms is not None and num_sms <= 56 else {}
 
 
