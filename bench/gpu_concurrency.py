@@ -65,6 +65,36 @@ from bullet.gpu.executor import GpuExecutor
 from bullet.gpu.partitions import PartitionMenu
 
 
+class EnergyMeter:
+    """The GPU's energy counter through NVML (``nvidia-ml-py``), in joules; ``None`` readings where NVML is
+    missing. The power cap makes energy the budget: at the cap, work per joule is what co-running can win."""
+
+    def __init__(self, index: int = 0) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.cap_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._h) / 1e3
+        except Exception as e:  # noqa: BLE001 - no NVML (CPU smoke test, missing wheel): report, measure none
+            print(f"energy: NVML unavailable ({type(e).__name__}: {e}); no energy columns")
+            self._nvml, self.cap_w = None, None
+
+    def joules(self) -> float | None:
+        if self._nvml is None:
+            return None
+        torch.cuda.synchronize()
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._h) / 1e3
+
+    def window(self, fn):
+        """``(fn(), joules, seconds)`` over one call of ``fn`` (joules None without NVML)."""
+        e0, t0 = self.joules(), time.perf_counter()
+        out = fn()
+        e1, t1 = self.joules(), time.perf_counter()
+        return out, (None if e0 is None else e1 - e0), t1 - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -161,10 +191,15 @@ def main() -> None:
     ex.capture("all", full_sms, [B])
     prefill_alone(full)
     decode_alone(full, 3)
+    meter = EnergyMeter()
     wall_full = [time.time()]
-    t_pf_full = statistics.median(prefill_alone(full) for _ in range(args.reps + 1))
+    pf_runs, e_pf_all, s_pf_all = meter.window(lambda: [prefill_alone(full) for _ in range(max(3, args.reps + 1))])
+    t_pf_full = statistics.median(pf_runs)
     wall_full.append(time.time())
-    t_dec_full = decode_alone(full, 20)
+    dec_launches = 20
+    t_dec_full, e_dec_all, s_dec_all = meter.window(lambda: decode_alone(full, dec_launches))
+    e_pf_full = e_pf_all / len(pf_runs) if e_pf_all is not None else None  # J per prefill
+    e_dec_full = e_dec_all / (dec_launches * S) if e_dec_all is not None else None  # J per decode step
 
     def measure(p) -> dict:
         if p == "naive":
@@ -181,7 +216,7 @@ def main() -> None:
         wall.append(time.time())
         t_dec_alone = decode_alone(dp, 5)
         wall.append(time.time())
-        runs = [concurrent(pp, dp) for _ in range(args.reps)]
+        runs, e_co, s_co = meter.window(lambda: [concurrent(pp, dp) for _ in range(args.reps)])
         wall.append(time.time())
         t_c = statistics.median(r[0] for r in runs)
         t_dec_c = statistics.median(r[2] for r in runs)
@@ -191,6 +226,12 @@ def main() -> None:
                "prefill_slowdown": t_c / t_pf_alone, "decode_slowdown": t_dec_c / t_dec_alone,
                "ratio": statistics.median((t_pf_full + r[1] * t_dec_full) / r[0] for r in runs),
                "ratios": [(t_pf_full + r[1] * t_dec_full) / r[0] for r in runs], "wall": wall}
+        if e_co is not None:  # energy: the co-run window against the same work done alone on the whole GPU
+            steps_all = sum(r[3] for r in runs)
+            e_alone = args.reps * e_pf_full + steps_all * e_dec_full
+            n = row["decode_steps"]
+            row.update(corun_j=e_co, corun_w=e_co / s_co, corun_j_vs_alone=e_co / e_alone,
+                       cap_ceiling=(t_pf_full + n * t_dec_full) / ((e_pf_full + n * e_dec_full) / meter.cap_w))
         print(f"  {label:>8}: prefill {t_pf_alone * 1e3:.1f} ms alone, {t_c * 1e3:.1f} co; decode step "
               f"{t_dec_alone * 1e3:.2f} alone, {t_dec_c * 1e3:.2f} co, {row['decode_steps']:.1f} steps; "
               f"ratio {row['ratio']:.3f} {' '.join(f'{x:.3f}' for x in row['ratios'])}", flush=True)
@@ -212,22 +253,31 @@ def main() -> None:
     print(f"partition menu: {len(menu.pairs)} pairs, green={menu.green}, {menu.memory_bytes / 2**20:.0f} MiB of "
           f"device memory, made in {t_menu:.2f} s")
     print(f"whole GPU alone: prefill {t_pf_full * 1e3:.1f} ms, decode step {t_dec_full * 1e3:.2f} ms")
+    energy = e_pf_full is not None
+    if energy:
+        print(f"energy (NVML, power cap {meter.cap_w:.0f} W): prefill {e_pf_full:.1f} J at "
+              f"{e_pf_all / s_pf_all:.0f} W mean; decode step {e_dec_full:.2f} J at {e_dec_all / s_dec_all:.0f} W "
+              "mean. cap ceiling = the ratio if the co-run drew the cap at the alone runs' joules per unit of work")
     print()
     hdr = ("pair P/D", "prefill ms (alone on P)", "concurrent ms", "decode steps", "step ms alone/co",
-           "prefill slow", "ratio")
+           "prefill slow", "ratio") + (("co-run W", "co-run J / alone J", "cap ceiling") if energy else ())
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in rows:
+        extra = (f" {r['corun_w']:.0f} | {r['corun_j_vs_alone']:.3f} | {r['cap_ceiling']:.3f} |"
+                 if "corun_w" in r else "")
         print(f"| {r['pair']} | {r['t_prefill_alone_part'] * 1e3:.1f} | {r['t_concurrent'] * 1e3:.1f} | "
               f"{r['decode_steps']:.1f} | {r['t_decode_alone_part'] * 1e3:.2f} / {r['t_decode_concurrent'] * 1e3:.2f} | "
-              f"{r['prefill_slowdown']:.2f}x | {r['ratio']:.3f} |")
+              f"{r['prefill_slowdown']:.2f}x | {r['ratio']:.3f} |{extra}")
     print()
     print(f"best pair {best['pair']}: {best['ratio']:.3f}x the work of back-to-back whole-GPU runs "
           f"(acceptance >= 1.2x: {'PASS' if best['ratio'] >= 1.2 else 'FAIL'})")
     if args.out:
         out = {"model": spec.name, "device": gpu_name, "torch": torch.__version__,
                    "args": vars(args), "menu_pairs": menu.describe(), "menu_bytes": menu.memory_bytes,
-                   "t_prefill_full": t_pf_full, "wall_prefill_full": wall_full, "t_decode_full": t_dec_full, "rows": rows}
+                   "t_prefill_full": t_pf_full, "wall_prefill_full": wall_full, "t_decode_full": t_dec_full,
+                   "e_prefill_full_j": e_pf_full, "e_decode_step_full_j": e_dec_full, "power_cap_w": meter.cap_w,
+                   "rows": rows}
         tmp = Path(args.out + ".tmp")
         tmp.write_text(json.dumps(out, indent=1))
         tmp.rename(args.out)

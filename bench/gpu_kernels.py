@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kv-layout", default="hnd", choices=["hnd", "nhd"], help="KV pool layout (PagedKvCache)")
+    ap.add_argument("--quick", action="store_true",
+                    help="skip most of the launch-option sweeps (decode attention: 4 configs; GEMV: the default)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -134,6 +136,9 @@ def main() -> None:
                for o32 in (True, False) for hf in (True, False) for bn in (64, 128) for nw in (4, 8) for st in (2, 3)]
     configs += [{"block_n": 64, "num_warps": 4, "num_stages": 3, "num_splits": sp, "head_first": True}
                 for sp in (2, 4)]
+    if args.quick:
+        configs = [c for c in configs if c["num_splits"] == 1 and c["block_n"] == 64 and c["num_warps"] == 4
+                   and c["head_first"]]
     for cfg in configs:
         try:
             t = timeit(lambda cfg=cfg: paged_decode_attention(q, kv.k[0], kv.v[0], bt, cl, D**-0.5, CTX, **cfg),
@@ -271,7 +276,9 @@ def main() -> None:
                      f"{weight_read / t / 1e12:.2f} TB/s", ""))
     t_cublas1 = res["decode1_gemms_graph_s"]
     gemv_sweep = {}
-    for bn, bk, nw, pdl in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (False, True)):
+    options = [tuple(GEMV_DEFAULT.values())] if args.quick else \
+        itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
+    for bn, bk, nw, pdl in options:
         cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "pdl": pdl}
         try:
             gemv_sweep[json.dumps(cfg)] = gemm_only(1, cfg)
@@ -294,11 +301,14 @@ def main() -> None:
     # --- decode batch 1: the cuBLAS path, then the fused GEMV path with the best and the default options ---
     bound = weight_read / COPY_CEILING
     res["decode1_bound_s"] = bound
-    variants = {"cuBLAS + unfused": (None, None), f"fused GEMV, best {json.dumps(best_gemv)}": (best_gemv, None),
-                "fused GEMV, default": (dict(GEMV_DEFAULT), None)}
-    variants.update({f"fused GEMV, default, {sp} attention splits": (dict(GEMV_DEFAULT), sp) for sp in (4, 8, 32)})
-    for name, (cfg, splits) in variants.items():
-        model.gemv_config = cfg
+    variants = {"cuBLAS + unfused": (None, None, False),
+                f"fused GEMV, best {json.dumps(best_gemv)}": (best_gemv, None, True),
+                "fused GEMV, default (o weights prefetched to L2)": (dict(GEMV_DEFAULT), None, True),
+                "fused GEMV, default, no L2 prefetch": (dict(GEMV_DEFAULT), None, False)}
+    variants.update({f"fused GEMV, default, {sp} attention splits": (dict(GEMV_DEFAULT), sp, True)
+                     for sp in (1, 4, 8, 32)})
+    for name, (cfg, splits, prefetch) in variants.items():
+        model.gemv_config, model.prefetch_o = cfg, prefetch
         model.decode_config = {**best_cfg, **({"num_splits": splits} if splits else {})}
         t1_eager, t1_graph = decode_step(1, CTX // B)
         res[f"decode1 {name}"] = {"eager_s": t1_eager, "graph_s": t1_graph}
