@@ -34,3 +34,17 @@ def prefetch_args(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
         return None, 0
     assert t.is_contiguous() and t.data_ptr() % 16 == 0, "l2 prefetch: a contiguous, 16-byte aligned tensor"
     return t.view(-1).view(torch.uint8), (t.numel() * t.element_size()) // 16 * 16
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _prefetch_kernel(PF, nbytes, T: tl.constexpr):
+        l2_prefetch(PF, nbytes, tl.program_id(0), tl.num_programs(0), T)
+
+
+def prefetch_l2(t: torch.Tensor, programs: int = 32) -> None:
+    """Pull the contiguous CUDA tensor ``t`` into L2 with one launch of ``programs`` programs (a hint)."""
+    pf, nbytes = prefetch_args(t)
+    if nbytes:
+        _prefetch_kernel[(programs,)](pf, nbytes, T=128, num_warps=4)
