@@ -101,21 +101,23 @@ def main() -> None:
     h = torch.randn(1, hid, device=dev, dtype=torch.bfloat16)
     eps = spec.rms_norm_eps
 
-    def layers(fused: bool, attend: bool, prefetch: bool = False):
+    ALL = frozenset({"norm", "rope", "swiglu", "residual"})
+
+    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False, oneshot: bool = True):
+        """The 32 layers' GEMVs with the ``fused`` ops (the others left out, not run separately)."""
         model.prefetch_o = prefetch
+        c = {**cfg, "norm_oneshot": oneshot}
         for i, ly in enumerate(model.layers):
-            if not fused:
-                gemv(x, ly.wqkv, **cfg)
-                gemv(x, ly.wo, **cfg)
-                gemv(x, ly.w_gate_up, **cfg)
-                gemv(xf, ly.w_down, **cfg)
-                continue
-            rope = RopeStore(meta.positions, model.cos_sin, *kv.layer(i), meta.slot_mapping, H, KVH, D)
-            qkv = gemv(h, ly.wqkv, norm=ly.ln1, eps=eps, rope=rope, **cfg)
-            o = model._attend(i, ly, qkv, meta, kv, True, stored=True) if attend else qkv[:, :H * D]
-            gemv(o, ly.wo, residual=h, **cfg)
-            act = gemv(h, ly.w_gate_up, norm=ly.ln2, eps=eps, swiglu=True, **cfg)
-            gemv(act, ly.w_down, residual=h, **cfg)
+            rope = RopeStore(meta.positions, model.cos_sin, *kv.layer(i), meta.slot_mapping, H, KVH, D) \
+                if "rope" in fused else None
+            norm = "norm" in fused
+            qkv = gemv(h if norm else x, ly.wqkv, norm=ly.ln1 if norm else None, eps=eps, rope=rope, **c)
+            o = model._attend(i, ly, qkv, meta, kv, True, stored=rope is not None) if attend else qkv[:, :H * D]
+            res = h if "residual" in fused else None
+            gemv(o, ly.wo, residual=res, **c)
+            sw = "swiglu" in fused
+            act = gemv(h if norm else x, ly.w_gate_up, norm=ly.ln2 if norm else None, eps=eps, swiglu=sw, **c)
+            gemv(act if sw else xf, ly.w_down, residual=res, **c)
 
     def forward(prefetch: bool):
         model.prefetch_o = prefetch
@@ -127,14 +129,18 @@ def main() -> None:
     layer_bytes = sum(t.numel() * 2 for t in (model.layers[0].wqkv, model.layers[0].wo,
                                               model.layers[0].w_gate_up, model.layers[0].w_down)) * L
     rows = []
-    chains = {"4 plain GEMVs x 32": lambda: layers(False, False),
-              "4 fused GEMVs x 32 (norm, RoPE + store, SiLU, residual)": lambda: layers(True, False),
-              "  + attention (split + merge)": lambda: layers(True, True),
-              "  + attention, o weights prefetched by the merge": lambda: layers(True, True, True),
+    chains = {"4 plain GEMVs x 32": lambda: layers(frozenset()),
+              "4 fused GEMVs x 32 (norm, RoPE + store, SiLU, residual)": lambda: layers(),
+              "  the same, norm pass as a loop over K (the old kernel)": lambda: layers(oneshot=False),
+              "  without the norm": lambda: layers(ALL - {"norm"}),
+              "  without RoPE + store": lambda: layers(ALL - {"rope"}),
+              "  without SiLU": lambda: layers(ALL - {"swiglu"}),
+              "  without the residual adds": lambda: layers(ALL - {"residual"}),
+              "  only the norm": lambda: layers(frozenset({"norm"})),
+              "  + attention (split + merge)": lambda: layers(attend=True),
+              "  + attention, o weights prefetched by the merge": lambda: layers(attend=True, prefetch=True),
               "forward (embedding, layers, final norm)": lambda: forward(False),
-              "forward, o prefetched": lambda: forward(True),
-              "step: forward + LM head + greedy sample": lambda: step(False),
-              "step, o prefetched": lambda: step(True)}
+              "step: forward + LM head + greedy sample": lambda: step(False)}
     for name, fn in chains.items():
         t = graph_time(fn)
         note = f"{t / L * 1e3:.1f} us/layer; layers' weights at {layer_bytes / t / 1e9:.2f} TB/s"

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import HAVE_TRITON, pdl_launch, use_triton
+from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 from .rope import rope_and_store
 
 # launch options of the one-token path on CUDA (GpuExecutor's default), from bench/gpu_kernels.py's sweep
@@ -41,7 +41,7 @@ if HAVE_TRITON:
                      POS, COSSIN, stride_cs, KC, VC, SLOT, stride_cpage, stride_ctok, stride_chead,
                      NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KP: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROPE:  # q/k programs own BLOCK_N / 2 rotation pairs (row f and f + D/2 of a head), interleaved
@@ -66,11 +66,16 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if NORM:
-            ss = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xk = tl.load(X + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-                ss += xk * xk
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            if KP > 0:  # the whole row in one load: one L2 round trip
+                offs_x = tl.arange(0, KP)
+                xa = tl.load(X + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xa * xa, axis=0) / K + eps)
+            else:
+                ss = tl.zeros([BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    xk = tl.load(X + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+                    ss += xk * xk
+                rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -138,7 +143,7 @@ class RopeStore(NamedTuple):
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
          eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
          rope: RopeStore | None = None, out_dtype: torch.dtype | None = None, block_n: int = 4,
-         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False, norm_oneshot: bool = True) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
@@ -176,7 +181,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, nor
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
         *rope_args, NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None,
-        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
+        KP=next_pow2(K) if norm is not None and norm_oneshot and K <= 16384 else 0, num_warps=num_warps,
         **pdl_launch(pdl))
     return out
 
