@@ -103,10 +103,10 @@ def main() -> None:
 
     ALL = frozenset({"norm", "rope", "swiglu", "residual"})
 
-    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False, oneshot: bool = True):
+    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False):
         """The 32 layers' GEMVs with the ``fused`` ops (the others left out, not run separately)."""
         model.prefetch_o = prefetch
-        c = {**cfg, "norm_oneshot": oneshot}
+        c = cfg
         for i, ly in enumerate(model.layers):
             rope = RopeStore(meta.positions, model.cos_sin, *kv.layer(i), meta.slot_mapping, H, KVH, D) \
                 if "rope" in fused else None
@@ -131,7 +131,6 @@ def main() -> None:
     rows = []
     chains = {"4 plain GEMVs x 32": lambda: layers(frozenset()),
               "4 fused GEMVs x 32 (norm, RoPE + store, SiLU, residual)": lambda: layers(),
-              "  the same, norm pass as a loop over K (the old kernel)": lambda: layers(oneshot=False),
               "  without the norm": lambda: layers(ALL - {"norm"}),
               "  without RoPE + store": lambda: layers(ALL - {"rope"}),
               "  without SiLU": lambda: layers(ALL - {"swiglu"}),

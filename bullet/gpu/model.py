@@ -137,7 +137,8 @@ class Model:
     def _forward_one(self, h: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache) -> torch.Tensor:
         """One token (batch-1 decode): four fused GEMVs per layer (norm into the q/k/v and gate/up products,
         RoPE and the k/v store into q/k/v, SiLU into gate/up, the residual adds into o and down), ``h``
-        updated in place. Rounds as ``forward``."""
+        updated in place. Rounds as ``forward`` except that the normalised rows feeding the q/k/v and gate/up
+        products stay fp32 (``kernels.gemv``)."""
         spec, cfg, eps = self.spec, self.gemv_config, self.spec.rms_norm_eps
         pdl = bool(cfg.get("pdl"))  # then every kernel of the step is a programmatic dependent launch
         H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim

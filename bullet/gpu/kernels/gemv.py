@@ -4,8 +4,10 @@
 kernels per layer between the products (norms, residual adds, SiLU) cost more than their bytes. So one
 kernel does, as asked:
 
-- ``norm``: RMSNorm of ``x`` first (each program recomputes the row's rms from L2: ``x`` is 8-28 KiB),
-  rounded to the model dtype exactly as ``rms_norm`` rounds it;
+- ``norm``: RMSNorm of ``x`` first. The product takes ``x * weight`` tile by tile and each program sums
+  ``x^2`` from the same tiles, scaling its sums by the rms at the end: no pass over ``x`` before the first
+  multiply (a pass that cost ~6 us a layer, bench/batch1_breakdown.py). So the normalised row is kept in fp32,
+  not rounded to the model dtype as ``rms_norm`` rounds it (one rounding fewer than the unfused path);
 - ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``), each program takes matching gate and up rows and writes
   ``silu(gate) * up`` (``I`` outputs), as ``silu_mul`` after the product would;
 - ``residual``: ``residual += y`` in place (``y`` rounded first, then the sum, as the unfused adds round);
@@ -26,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
+from . import HAVE_TRITON, pdl_launch, use_triton
 from .rope import rope_and_store
 
 # launch options of the one-token path on CUDA (GpuExecutor's default), from bench/gpu_kernels.py's sweep
@@ -41,7 +43,7 @@ if HAVE_TRITON:
                      POS, COSSIN, stride_cs, KC, VC, SLOT, stride_cpage, stride_ctok, stride_chead,
                      NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KP: tl.constexpr):
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROPE:  # q/k programs own BLOCK_N / 2 rotation pairs (row f and f + D/2 of a head), interleaved
@@ -65,19 +67,9 @@ if HAVE_TRITON:
         if PDL:  # everything above reads weights only; the previous kernel's outputs are read below
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if NORM:
-            if KP > 0:  # the whole row in one load: one L2 round trip
-                offs_x = tl.arange(0, KP)
-                xa = tl.load(X + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(xa * xa, axis=0) / K + eps)
-            else:
-                ss = tl.zeros([BLOCK_K], tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    xk = tl.load(X + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-                    ss += xk * xk
-                rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < K
@@ -87,20 +79,26 @@ if HAVE_TRITON:
             if SWIGLU:
                 wu_next = tl.load(rows_up + nk[None, :], mask=nwmask, other=0.0, eviction_policy="evict_first")
             x = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32)
-            if NORM:
-                nw = tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
-                x = (x * rstd * nw).to(X.dtype.element_ty).to(tl.float32)
+            if NORM:  # the rms comes from the tiles already loaded; it scales the sums at the end
+                ss += x * x
+                x = x * tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
             if SWIGLU:
                 acc_up += wu.to(tl.float32) * x[None, :]
                 wu = wu_next
             w = w_next
         y = tl.sum(acc, axis=1)
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            y = y * rstd
         if HAS_BIAS:
             y += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)
         if SWIGLU:
             g = y.to(Y.dtype.element_ty).to(tl.float32)  # the unfused path rounds both products
-            u = tl.sum(acc_up, axis=1).to(Y.dtype.element_ty).to(tl.float32)
+            u = tl.sum(acc_up, axis=1)
+            if NORM:
+                u = u * rstd
+            u = u.to(Y.dtype.element_ty).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * u
         if RESIDUAL:
             r = tl.load(R + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -143,7 +141,7 @@ class RopeStore(NamedTuple):
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
          eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
          rope: RopeStore | None = None, out_dtype: torch.dtype | None = None, block_n: int = 4,
-         block_k: int = 1024, num_warps: int = 4, pdl: bool = False, norm_oneshot: bool = True) -> torch.Tensor:
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
@@ -181,21 +179,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, nor
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
         *rope_args, NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None,
-        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
-        KP=next_pow2(K) if norm is not None and norm_oneshot and K <= 16384 else 0, num_warps=num_warps,
+        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl_launch(pdl))
     return out
 
 
 def _gemv_torch(x, w, b, norm, eps, swiglu, residual) -> torch.Tensor:
     """The same semantics from unfused torch ops (the CPU path; the reference in tests)."""
-    if norm is not None:
+    dtype = x.dtype
+    if norm is not None:  # the normalised row stays fp32 (see the module docstring)
         xf = x.float()
-        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()).to(x.dtype)
-    y = F.linear(x, w, b)
+        x = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
+        y = F.linear(x, w.float(), None if b is None else b.float()).to(w.dtype)
+    else:
+        y = F.linear(x, w, b)
     if swiglu:
         g, u = y.chunk(2, dim=-1)
-        y = (F.silu(g.float()) * u.float()).to(x.dtype)
+        y = (F.silu(g.float()) * u.float()).to(dtype)
     if residual is not None:
         residual.copy_(y + residual)
         return residual
