@@ -103,10 +103,10 @@ def main() -> None:
 
     ALL = frozenset({"norm", "rope", "swiglu", "residual"})
 
-    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False):
+    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False, **opts):
         """The 32 layers' GEMVs with the ``fused`` ops (the others left out, not run separately)."""
         model.prefetch_o = prefetch
-        c = cfg
+        c = {**cfg, **opts}
         for i, ly in enumerate(model.layers):
             rope = RopeStore(meta.positions, model.cos_sin, *kv.layer(i), meta.slot_mapping, H, KVH, D) \
                 if "rope" in fused else None
@@ -136,6 +136,10 @@ def main() -> None:
               "  without SiLU": lambda: layers(ALL - {"swiglu"}),
               "  without the residual adds": lambda: layers(ALL - {"residual"}),
               "  only the norm": lambda: layers(frozenset({"norm"})),
+              "  only the norm, without its weight's loads": lambda: layers(frozenset({"norm"}), _nw_load=False),
+              "  all, without the norm weight's loads": lambda: layers(_nw_load=False),
+              "  only the norm, block_n 8": lambda: layers(frozenset({"norm"}), block_n=8),
+              "  plain, block_n 8": lambda: layers(frozenset(), block_n=8),
               "  + attention (split + merge)": lambda: layers(attend=True),
               "  + attention, o weights prefetched by the merge": lambda: layers(attend=True, prefetch=True),
               "forward (embedding, layers, final norm)": lambda: forward(False),

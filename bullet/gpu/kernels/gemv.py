@@ -43,7 +43,8 @@ if HAVE_TRITON:
                      POS, COSSIN, stride_cs, KC, VC, SLOT, stride_cpage, stride_ctok, stride_chead,
                      NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NW_LOAD: tl.constexpr = True):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROPE:  # q/k programs own BLOCK_N / 2 rotation pairs (row f and f + D/2 of a head), interleaved
@@ -81,7 +82,8 @@ if HAVE_TRITON:
             x = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32)
             if NORM:  # the rms comes from the tiles already loaded; it scales the sums at the end
                 ss += x * x
-                x = x * tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
+                if NW_LOAD:
+                    x = x * tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
             if SWIGLU:
                 acc_up += wu.to(tl.float32) * x[None, :]
@@ -141,7 +143,7 @@ class RopeStore(NamedTuple):
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
          eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
          rope: RopeStore | None = None, out_dtype: torch.dtype | None = None, block_n: int = 4,
-         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False, _nw_load: bool = True) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
@@ -179,7 +181,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, nor
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
         *rope_args, NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None,
-        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, NW_LOAD=_nw_load,
+        num_warps=num_warps,
         **pdl_launch(pdl))
     return out
 
