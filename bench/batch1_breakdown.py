@@ -103,7 +103,8 @@ def main() -> None:
 
     ALL = frozenset({"norm", "rope", "swiglu", "residual"})
 
-    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False, **opts):
+    def layers(fused: frozenset = ALL, attend: bool = False, prefetch: bool = False, gu: dict | None = None,
+               **opts):
         """The 32 layers' GEMVs with the ``fused`` ops (the others left out, not run separately)."""
         model.prefetch_o = prefetch
         c = {**cfg, **opts}
@@ -116,7 +117,8 @@ def main() -> None:
             res = h if "residual" in fused else None
             gemv(o, ly.wo, residual=res, **c)
             sw = "swiglu" in fused
-            act = gemv(h if norm else x, ly.w_gate_up, norm=ly.ln2 if norm else None, eps=eps, swiglu=sw, **c)
+            act = gemv(h if norm else x, ly.w_gate_up, norm=ly.ln2 if norm else None, eps=eps, swiglu=sw,
+                       **{**c, **(gu or {})})
             gemv(act if sw else xf, ly.w_down, residual=res, **c)
 
     def forward(prefetch: bool):
@@ -138,8 +140,13 @@ def main() -> None:
               "  only the norm": lambda: layers(frozenset({"norm"})),
               "  only the norm, without its weight's loads": lambda: layers(frozenset({"norm"}), _nw_load=False),
               "  all, without the norm weight's loads": lambda: layers(_nw_load=False),
-              "  only the norm, block_n 8": lambda: layers(frozenset({"norm"}), block_n=8),
-              "  plain, block_n 8": lambda: layers(frozenset(), block_n=8),
+              "  norm + SiLU, without the norm weight's loads": lambda: layers(frozenset({"norm", "swiglu"}),
+                                                                                 _nw_load=False),
+              "  all, no norm weight loads, gate/up block_n 2": lambda: layers(_nw_load=False, gu={"block_n": 2}),
+              "  all, no norm weight loads, gate/up 8 warps": lambda: layers(_nw_load=False, gu={"num_warps": 8}),
+              "  all, no norm weight loads, gate/up block_k 512": lambda: layers(_nw_load=False,
+                                                                                gu={"block_k": 512}),
+              "  all, no norm weight loads, block_n 2": lambda: layers(_nw_load=False, block_n=2),
               "  + attention (split + merge)": lambda: layers(attend=True),
               "  + attention, o weights prefetched by the merge": lambda: layers(attend=True, prefetch=True),
               "forward (embedding, layers, final norm)": lambda: forward(False),
