@@ -17,8 +17,9 @@ kernel does, as asked:
   tile before waiting for the previous kernel (weights are never written), so the launch and the first
   memory round trip overlap the previous kernel's tail.
 
-Each program owns ``block_n`` output rows and walks K in ``block_k`` steps, keeping the next tile's load in
-flight while it multiplies the current one.
+Each program owns ``block_n`` output rows and walks K in ``block_k`` steps, keeping the next tile's loads
+(weights, ``x``, the norm weight) in flight while it multiplies the current one: an L2 round trip for ``x``
+inside the step cost ~7 us a layer at batch 1 (bench/batch1_breakdown.py).
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ if HAVE_TRITON:
                      POS, COSSIN, stride_cs, KC, VC, SLOT, stride_cpage, stride_ctok, stride_chead,
                      NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NW_LOAD: tl.constexpr = True):
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         if ROPE:  # q/k programs own BLOCK_N / 2 rotation pairs (row f and f + D/2 of a head), interleaved
@@ -65,30 +65,36 @@ if HAVE_TRITON:
         w = tl.load(rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if SWIGLU:
             wu = tl.load(rows_up + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        if NORM:
+            nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0)
         if PDL:  # everything above reads weights only; the previous kernel's outputs are read below
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            kmask = kk < K
-            nk = kk + BLOCK_K  # the next tile, in flight while this one is multiplied
-            nwmask = nmask[:, None] & (nk < K)[None, :]
+            # the next tile of the weights, of x and of the norm weight in flight while this one is multiplied
+            nk = k0 + BLOCK_K + offs_k
+            nkmask = nk < K
+            nwmask = nmask[:, None] & nkmask[None, :]
             w_next = tl.load(rows + nk[None, :], mask=nwmask, other=0.0, eviction_policy="evict_first")
             if SWIGLU:
                 wu_next = tl.load(rows_up + nk[None, :], mask=nwmask, other=0.0, eviction_policy="evict_first")
-            x = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32)
+            x_next = tl.load(X + nk, mask=nkmask, other=0.0)
+            xf = x.to(tl.float32)
             if NORM:  # the rms comes from the tiles already loaded; it scales the sums at the end
-                ss += x * x
-                if NW_LOAD:
-                    x = x * tl.load(NW + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+                nw_next = tl.load(NW + nk, mask=nkmask, other=0.0)
+                ss += xf * xf
+                xf = xf * nw.to(tl.float32)
+                nw = nw_next
+            acc += w.to(tl.float32) * xf[None, :]
             if SWIGLU:
-                acc_up += wu.to(tl.float32) * x[None, :]
+                acc_up += wu.to(tl.float32) * xf[None, :]
                 wu = wu_next
             w = w_next
+            x = x_next
         y = tl.sum(acc, axis=1)
         if NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
@@ -143,7 +149,7 @@ class RopeStore(NamedTuple):
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
          eps: float = 1e-6, swiglu: bool = False, residual: torch.Tensor | None = None,
          rope: RopeStore | None = None, out_dtype: torch.dtype | None = None, block_n: int = 4,
-         block_k: int = 1024, num_warps: int = 4, pdl: bool = False, _nw_load: bool = True) -> torch.Tensor:
+         block_k: int = 1024, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x``: ``[1, K]`` contiguous; ``w``: ``[N, K]`` with a unit last stride; ``b``: ``[N]`` or None.
 
     Returns ``[1, N]`` (``[1, N / 2]`` with ``swiglu``); with ``residual`` (``[1, N]``, contiguous) the sum is
@@ -181,8 +187,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, nor
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, norm if norm is not None else x, w, b if b is not None else w, out, out, N, K, w.stride(0), eps,
         *rope_args, NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, HAS_BIAS=b is not None,
-        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, NW_LOAD=_nw_load,
-        num_warps=num_warps,
+        ROPE=rope is not None, **heads, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl_launch(pdl))
     return out
 
