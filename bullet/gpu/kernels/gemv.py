@@ -14,8 +14,10 @@ kernel does, as asked:
 - ``rope``: on the q/k/v projection, RoPE on q and k and the store of k and v into the paged pool (what
   ``rope_and_store`` does after the product): each q/k program owns matching rotation pairs of one head;
 - ``pdl``: launched as a programmatic dependent launch (Hopper and newer): a program loads its first weight
-  tile before waiting for the previous kernel (weights are never written), so the launch and the first
-  memory round trip overlap the previous kernel's tail.
+  tile, bias, norm weight and (``rope``) the step's position, slot and rotation before waiting for the
+  previous kernel, so the launch and the first memory round trips overlap that kernel's tail. Those inputs
+  must not be written by the kernel right before (weights never are; positions and slots are written before
+  a forward begins); ``x`` and ``residual`` are read after the wait.
 
 Each program owns ``block_n`` output rows and walks K in ``block_k`` steps, keeping the next tile's loads
 (weights, ``x``, the norm weight) in flight while it multiplies the current one: an L2 round trip for ``x``
@@ -67,10 +69,20 @@ if HAVE_TRITON:
             wu = tl.load(rows_up + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         if NORM:
             nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0)
-        if PDL:  # everything above reads weights only; the previous kernel's outputs are read below
+        if HAS_BIAS:
+            bias = tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        if ROPE:  # the step's metadata (written before the forward began) and the rotation table
+            pos = tl.load(POS).to(tl.int64)
+            slot = tl.load(SLOT).to(tl.int64)
+            offs_f = f0 + tl.arange(0, HB)
+            cos = tl.load(COSSIN + pos * stride_cs + offs_f)
+            sin = tl.load(COSSIN + pos * stride_cs + HALF + offs_f)
+        if PDL:  # everything above was written before the previous kernel began; its outputs are read below
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+        if RESIDUAL:  # in flight during the products
+            r = tl.load(R + offs_n, mask=nmask, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         ss = tl.zeros([BLOCK_K], tl.float32)
@@ -100,7 +112,7 @@ if HAVE_TRITON:
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
             y = y * rstd
         if HAS_BIAS:
-            y += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            y += bias
         if SWIGLU:
             g = y.to(Y.dtype.element_ty).to(tl.float32)  # the unfused path rounds both products
             u = tl.sum(acc_up, axis=1)
@@ -109,18 +121,12 @@ if HAVE_TRITON:
             u = u.to(Y.dtype.element_ty).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * u
         if RESIDUAL:
-            r = tl.load(R + offs_n, mask=nmask, other=0.0).to(tl.float32)
             y = y.to(Y.dtype.element_ty).to(tl.float32) + r
         if ROPE:  # rotate q and k (rounded first, as rope_and_store reads them), then k and v to the pool
             y = y.to(Y.dtype.element_ty).to(tl.float32)
-            pos = tl.load(POS).to(tl.int64)
             if is_rot:
                 ya, yb = tl.split(tl.reshape(y, [HB, 2]))
-                offs_f = f0 + tl.arange(0, HB)
-                cos = tl.load(COSSIN + pos * stride_cs + offs_f)
-                sin = tl.load(COSSIN + pos * stride_cs + HALF + offs_f)
                 y = tl.reshape(tl.join(ya * cos - yb * sin, yb * cos + ya * sin), [BLOCK_N])
-            slot = tl.load(SLOT).to(tl.int64)
             kv_row = offs_n - H * D  # k rows, then v rows
             if (slot >= 0) & (pid * BLOCK_N >= H * D):
                 is_v = kv_row >= KVH * D
@@ -134,7 +140,8 @@ if HAVE_TRITON:
 
 
 class RopeStore(NamedTuple):
-    """What ``rope_and_store`` takes besides the q/k/v row (no per-head q/k norm: Qwen3 keeps that kernel)."""
+    """What ``rope_and_store`` takes besides the q/k/v row (no per-head q/k norm: Qwen3 keeps that kernel).
+    With ``pdl`` the positions and slots are read before the wait: not written by the kernel right before."""
 
     positions: torch.Tensor  # [1] int
     cos_sin: torch.Tensor  # [max_position, D] float32
