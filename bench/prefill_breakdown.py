@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def main() -> None:
     b.record()
     torch.cuda.synchronize()
     wall = a.elapsed_time(b)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued first: the host enqueues without waiting
+    t0 = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("warn")  # a host sync inside the forward is reported
+    run()
+    torch.cuda.set_sync_debug_mode(0)
+    host = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
@@ -56,7 +65,8 @@ def main() -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_name[e.name].append(e.device_time_total / 1e3)
     total = sum(sum(v) for v in by_name.values())
-    print(f"{spec.name}, prefill of {T} tokens: {wall:.2f} ms between events; kernels sum to {total:.2f} ms")
+    print(f"{spec.name}, prefill of {T} tokens: {wall:.2f} ms between events; kernels sum to {total:.2f} ms; "
+          f"the host enqueues it in {host:.2f} ms")
     print(f"{'kernel':<90} {'calls':>5} {'ms':>8} {'share':>6}")
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
         print(f"{name[:90]:<90} {len(times):>5} {sum(times):8.2f} {sum(times) / total:6.1%}")
