@@ -65,6 +65,15 @@ def main() -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_name[e.name].append(e.device_time_total / 1e3)
     total = sum(sum(v) for v in by_name.values())
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)  # idle GPU time between two kernels, us
+    for (_, end, a), (start, _, b) in zip(kernels, kernels[1:]):
+        gaps[(a[:40], b[:40])].append(max(0.0, start - end))
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3
+    print(f"profiled span {span:.2f} ms; idle between kernels {sum(sum(g) for g in gaps.values()) / 1e3:.2f} ms")
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"  idle {sum(g) / 1e3:6.2f} ms over {len(g):3d} gaps: {a} -> {b}")
     print(f"{spec.name}, prefill of {T} tokens: {wall:.2f} ms between events; kernels sum to {total:.2f} ms; "
           f"the host enqueues it in {host:.2f} ms")
     print(f"{'kernel':<90} {'calls':>5} {'ms':>8} {'share':>6}")
