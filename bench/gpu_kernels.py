@@ -301,14 +301,11 @@ def main() -> None:
     # --- decode batch 1: the cuBLAS path, then the fused GEMV path with the best and the default options ---
     bound = weight_read / COPY_CEILING
     res["decode1_bound_s"] = bound
-    variants = {"cuBLAS + unfused": (None, None, False),
-                f"fused GEMV, best {json.dumps(best_gemv)}": (best_gemv, None, True),
-                "fused GEMV, default (o weights prefetched to L2)": (dict(GEMV_DEFAULT), None, True),
-                "fused GEMV, default, no L2 prefetch": (dict(GEMV_DEFAULT), None, False)}
-    variants.update({f"fused GEMV, default, {sp} attention splits": (dict(GEMV_DEFAULT), sp, True)
-                     for sp in (1, 4, 8, 32)})
-    for name, (cfg, splits, prefetch) in variants.items():
-        model.gemv_config, model.prefetch_o = cfg, prefetch
+    variants = {"cuBLAS + unfused": (None, None), f"fused GEMV, best {json.dumps(best_gemv)}": (best_gemv, None),
+                "fused GEMV, default": (dict(GEMV_DEFAULT), None)}
+    variants.update({f"fused GEMV, default, {sp} attention splits": (dict(GEMV_DEFAULT), sp) for sp in (4, 8, 32)})
+    for name, (cfg, splits) in variants.items():
+        model.gemv_config = cfg
         model.decode_config = {**best_cfg, **({"num_splits": splits} if splits else {})}
         t1_eager, t1_graph = decode_step(1, CTX // B)
         res[f"decode1 {name}"] = {"eager_s": t1_eager, "graph_s": t1_graph}

@@ -7,6 +7,7 @@ class would take at the measured ceilings. Llama-3.1-8B shapes, dummy bf16 weigh
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections import defaultdict
@@ -68,7 +69,7 @@ def main() -> None:
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     gaps: dict[tuple[str, str], list[float]] = defaultdict(list)  # idle GPU time between two kernels, us
-    for (_, end, a), (start, _, b) in zip(kernels, kernels[1:]):
+    for (_, end, a), (start, _, b) in itertools.pairwise(kernels):
         gaps[(a[:40], b[:40])].append(max(0.0, start - end))
     span = (kernels[-1][1] - kernels[0][0]) / 1e3
     print(f"profiled span {span:.2f} ms; idle between kernels {sum(sum(g) for g in gaps.values()) / 1e3:.2f} ms")

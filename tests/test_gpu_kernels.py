@@ -192,23 +192,6 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 16])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gpu_decode_attention_l2_prefetch_changes_nothing(splits, pdl):
-    """Pulling another tensor into L2 (a hint) gives bit-for-bit the same output and leaves that tensor as it
-    was, with the split kernel (one slice) or the reduce launch (several) issuing the prefetch."""
-    k, v, bt = make_pool([1024], 8, 128, 16, "cuda", torch.bfloat16, 3, "hnd")
-    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    cl = torch.tensor([1024], dtype=torch.int32, device="cuda")
-    w = torch.randn(4096, 4104, device="cuda", dtype=torch.bfloat16)  # not a multiple of the program count
-    w0 = w.clone()
-    want = paged_decode_attention(q, k, v, bt, cl, 128 ** -0.5, 1024, num_splits=splits, pdl=pdl)
-    got = paged_decode_attention(q, k, v, bt, cl, 128 ** -0.5, 1024, num_splits=splits, pdl=pdl, prefetch=w)
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(w, w0)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_gpu_rope_and_store(heads, qk_norm):

@@ -97,8 +97,6 @@ class Model:
         self.prefill_config: dict = {}  # SDPA options of the prefill path (bench-tuned)
         # one-token forwards: the fused GEMV path with these options (``kernels.gemv``); None: cuBLAS
         self.gemv_config: dict | None = None
-        # ... and with PDL, the attention kernels pull the o projection's weights into L2 (kernels.prefetch)
-        self.prefetch_o = True
 
     @contextmanager
     def on_sms(self, num_sms: int | None):
@@ -174,9 +172,7 @@ class Model:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
-        dcfg = {**launch_defaults(self.num_sms), **self.decode_config}
-        if pdl:
-            dcfg.update(pdl=True, prefetch=layer.wo if self.prefetch_o else None)
+        dcfg = {**launch_defaults(self.num_sms), **self.decode_config, **({"pdl": True} if pdl else {})}
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
         return o.reshape(T, H * D)
 

@@ -1,9 +1,6 @@
 """Paged decode attention for GQA over ragged contexts, split-K (flash-decoding): each program takes one
 sequence, one KV head (with all the q heads that share it) and one slice of the context; a second launch
-merges the slices by their log-sum-exp. With one slice the first launch writes the output directly.
-
-``prefetch``: a tensor the last launch pulls into L2 before it waits for its input (with ``pdl``): at batch 1
-the HBM idles during attention, so it fetches the o projection's weights for the GEMV that follows."""
+merges the slices by their log-sum-exp. With one slice the first launch writes the output directly."""
 
 from __future__ import annotations
 
@@ -12,26 +9,19 @@ import math
 import torch
 
 from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
-from .prefetch import prefetch_args
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .prefetch import l2_prefetch
-
     @triton.jit
-    def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, PF, pf_bytes, scale,
+    def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                              PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr,
-                             PDL: tl.constexpr, PREFETCH: tl.constexpr, T: tl.constexpr):
-        if PREFETCH:
-            l2_prefetch(PF, pf_bytes, (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1))
-                        * tl.num_programs(2) + tl.program_id(2),
-                        tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), T)
+                             PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -87,12 +77,8 @@ if HAVE_TRITON:
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
 
     @triton.jit
-    def _decode_reduce_kernel(OP, LP, OUT, PF, pf_bytes, stride_ps, stride_ph, stride_psp, stride_os, stride_oh,
-                              num_splits, D: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr,
-                              PREFETCH: tl.constexpr, T: tl.constexpr):
-        if PREFETCH:
-            l2_prefetch(PF, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                        tl.num_programs(0) * tl.num_programs(1), T)
+    def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
+                              D: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -132,16 +118,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool = False, pdl: bool = False,
-                           prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           offsets32: bool = False, pdl: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]`` views
     with a unit last stride (either pool layout of ``PagedKvCache``; ``v`` strided as ``k``);
     ``block_tables``: ``[S, max_blocks]`` int; ``context_lens``: ``[S]`` int (0: the row is padding, output
     0); ``max_context``: an upper bound on ``context_lens`` (sizes the split); ``pdl``: programmatic dependent
-    launches (see ``kernels.gemv``); ``prefetch``: a contiguous tensor to pull into L2 (see above). Returns
-    ``[S, H, D]``."""
+    launches (see ``kernels.gemv``). Returns ``[S, H, D]``."""
     S, H, D = q.shape
     _, page, KVH, _ = k_cache.shape
     if out is None:
@@ -165,20 +149,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lp = torch.empty((S, H, splits), device=q.device, dtype=torch.float32)
         sps, sph, spsp = op.stride(0), op.stride(1), op.stride(2)
     grid = (KVH, S, splits) if head_first else (S, KVH, splits)
-    pf, pf_bytes = prefetch_args(prefetch)
-    pf_split = pf_bytes if splits == 1 else 0  # the reduce launch prefetches when there is one
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, pf if pf_split else q, pf_split, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, op, lp, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
         PRECISION=precision, HEAD_FIRST=head_first,
-        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl, PREFETCH=pf_split > 0, T=32 * num_warps,
+        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if splits > 1:
-        _decode_reduce_kernel[(S, H)](op, lp, out, pf if pf_bytes else op, pf_bytes, sps, sph, spsp, out.stride(0),
-                                      out.stride(1), splits, D=D, SP2=next_pow2(splits), PDL=pdl,
-                                      PREFETCH=pf_bytes > 0, T=128, num_warps=4, **pdl_launch(pdl))
+        _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
+                                      D=D, SP2=next_pow2(splits), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
