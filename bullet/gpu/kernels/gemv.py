@@ -10,7 +10,7 @@ kernel does, as asked:
   not rounded to the model dtype as ``rms_norm`` rounds it (one rounding fewer than the unfused path);
 - ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``), each program takes matching gate and up rows and writes
   ``silu(gate) * up`` (``I`` outputs), as ``silu_mul`` after the product would;
-- ``residual``: ``residual += y`` in place (``y`` rounded first, then the sum, as the unfused adds round);
+- ``residual``: ``residual += y`` in place, rounded once (as the batched path's ``addmm``);
 - ``rope``: on the q/k/v projection, RoPE on q and k and the store of k and v into the paged pool (what
   ``rope_and_store`` does after the product): each q/k program owns matching rotation pairs of one head;
 - ``pdl``: launched as a programmatic dependent launch (Hopper and newer): a program loads its first weight
@@ -121,7 +121,7 @@ if HAVE_TRITON:
             u = u.to(Y.dtype.element_ty).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * u
         if RESIDUAL:
-            y = y.to(Y.dtype.element_ty).to(tl.float32) + r
+            y = y + r  # rounded once, as the batched path's addmm
         if ROPE:  # rotate q and k (rounded first, as rope_and_store reads them), then k and v to the pool
             y = y.to(Y.dtype.element_ty).to(tl.float32)
             if is_rot:
@@ -200,18 +200,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, nor
 
 
 def _gemv_torch(x, w, b, norm, eps, swiglu, residual) -> torch.Tensor:
-    """The same semantics from unfused torch ops (the CPU path; the reference in tests)."""
+    """The same semantics from torch ops (the CPU path): fp32 products, rounded where the kernel rounds."""
     dtype = x.dtype
+    xf = x.float()
     if norm is not None:  # the normalised row stays fp32 (see the module docstring)
-        xf = x.float()
-        x = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
-        y = F.linear(x, w.float(), None if b is None else b.float()).to(w.dtype)
-    else:
-        y = F.linear(x, w, b)
-    if swiglu:
-        g, u = y.chunk(2, dim=-1)
-        y = (F.silu(g.float()) * u.float()).to(dtype)
-    if residual is not None:
-        residual.copy_(y + residual)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()
+    y = F.linear(xf, w.float(), None if b is None else b.float())
+    if swiglu:  # both products rounded first, as the unfused path rounds them
+        g, u = y.to(dtype).float().chunk(2, dim=-1)
+        y = F.silu(g) * u
+    if residual is not None:  # the add before the rounding, as the batched path's addmm
+        residual.copy_(y + residual.float())
         return residual
-    return y
+    return y.to(dtype)
