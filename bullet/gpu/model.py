@@ -115,11 +115,11 @@ class Model:
         spec = self.spec
         if not 0 <= layers.start <= layers.stop <= spec.num_layers or layers.step != 1:
             raise ValueError(f"Model.forward: layers {layers} is not a slice of 0..{spec.num_layers}")
-        h = F.embedding(x, self.embed) if layers.start == 0 else x
+        # the residual stream is updated in place: a copy of the caller's hidden state
+        residual = F.embedding(x, self.embed) if layers.start == 0 else x.clone()
         eps = spec.rms_norm_eps
-        if self.gemv_config is not None and h.shape[0] == 1:
-            return self._forward_one(h if layers.start == 0 else h.clone(), layers, meta, kv)
-        residual = h
+        if self.gemv_config is not None and residual.shape[0] == 1:
+            return self._forward_one(residual, layers, meta, kv)
         for i in layers:
             layer = self.layers[i]
             residual = self._attention(i, layer, rms_norm(residual, layer.ln1, eps), meta, kv, residual)
@@ -153,9 +153,9 @@ class Model:
 
     def _attention(self, i: int, layer: _Layer, xn: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
                    residual: torch.Tensor) -> torch.Tensor:
-        """``residual`` + the attention block's output, the add in the o product's epilogue."""
+        """``residual`` += the attention block's output, the add in the o product's epilogue."""
         o = self._attend(i, layer, F.linear(xn, layer.wqkv, layer.bqkv), meta, kv)
-        return torch.addmm(residual, o, layer.wo.t())
+        return residual.addmm_(o, layer.wo.t())  # in place: out-of-place addmm copies the residual first
 
     def _attend(self, i: int, layer: _Layer, qkv: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
                 pdl: bool = False, stored: bool = False) -> torch.Tensor:
@@ -176,7 +176,7 @@ class Model:
         return o.reshape(T, H * D)
 
     def _mlp(self, layer: _Layer, xn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(residual, silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down.t())
+        return residual.addmm_(silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down.t())
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``. One row goes through the
