@@ -355,3 +355,46 @@ def test_gpu_gemv_rope_epilogue_equals_gemv_then_rope_and_store(heads, layout, o
             assert rel(kc1, kc0) < 5e-3 and torch.equal(vc1, vc0)
         else:
             assert not kc1.any() and not vc1.any()
+
+
+def advance_case(device):
+    """Rows of DecodeBuffers: three live (one crossing into its next block), one padding."""
+    from bullet.gpu.attention import _CTX, _NCOLS, _POS, _SLOT
+
+    page, max_blocks = 4, 6
+    buf = torch.zeros((4, _NCOLS + max_blocks), dtype=torch.int32)
+    tables = torch.tensor([[7, 3, 9, 0, 0, 0], [2, 5, 0, 0, 0, 0], [11, 12, 13, 14, 15, 16], [0] * 6])
+    buf[:, _NCOLS:] = tables
+    buf[:, _POS] = torch.tensor([5, 3, 23, 0])  # row 1: position 3 -> 4 crosses into block 5
+    buf[:, _CTX] = torch.tensor([6, 4, 24, 0])  # row 3: padding
+    buf[:, _SLOT] = torch.tensor([3 * page + 1, 2 * page + 3, 16 * page + 3, -1])
+    tok = torch.tensor([10, 20, 30, 40])
+    return buf.to(device), tok.to(device), (_POS, _CTX, _SLOT, _NCOLS), page
+
+
+def test_advance_moves_live_rows_one_token_on():
+    from bullet.gpu.kernels.advance import advance
+
+    buf, tok, cols, page = advance_case("cpu")
+    out, ids, offs = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), torch.arange(4)
+    advance(buf, tok, out, ids, offs, page, cols)
+    pos_c, ctx_c, slot_c, _ = cols
+    assert torch.equal(out, tok) and torch.equal(ids, tok) and torch.equal(offs, torch.arange(1, 5))
+    assert buf[:, pos_c].tolist() == [6, 4, 24, 0] and buf[:, ctx_c].tolist() == [7, 5, 25, 0]
+    # slot = table[pos // page] * page + pos % page; position 24 is past the 6-block table: clamped to its last
+    assert buf[:, slot_c].tolist() == [3 * page + 2, 5 * page + 0, 16 * page + 0, -1]
+
+
+@pytest.mark.gpu
+def test_gpu_advance_kernel_equals_torch_ops():
+    from bullet.gpu.kernels.advance import advance
+
+    results = []
+    for device in ("cpu", "cuda"):
+        buf, tok, cols, page = advance_case(device)
+        out, ids = torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(4, dtype=torch.int64, device=device)
+        offs = torch.arange(4, device=device)
+        for _ in range(3):  # three fused steps
+            advance(buf, tok, out, ids, offs, page, cols)
+        results.append([t.cpu() for t in (buf, out, ids, offs)])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

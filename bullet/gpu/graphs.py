@@ -23,6 +23,7 @@ import torch
 
 from ..batch import Chunk
 from .attention import _CTX, _NCOLS, _POS, _SLOT, DecodeBuffers
+from .kernels.advance import advance
 from .kvcache import PagedKvCache
 from .model import Model
 from .sampling import sample
@@ -79,22 +80,8 @@ class LaneGraphs:
             tok = logits.argmax(dim=-1)
         else:
             tok = sample(logits, self.temperature[:bs], self.top_p[:bs], self.seeds[:bs], self.offsets[:bs])
-        self.out[:bs].copy_(tok)
-        ids.copy_(tok)
-        self._advance(bs)
-
-    def _advance(self, bs: int) -> None:
-        b = self.bufs.buf[:bs]
-        live = b[:, _CTX] > 0
-        step = live.to(torch.int32)
-        b[:, _POS] += step
-        b[:, _CTX] += step
-        pos = b[:, _POS].long()
-        col = (pos // self.block_size).clamp_(max=self.max_blocks - 1)
-        block = b[:, _NCOLS:].gather(1, col[:, None]).squeeze(1).long()
-        slot = block * self.block_size + pos % self.block_size
-        b[:, _SLOT] = torch.where(live, slot, torch.full_like(slot, -1)).to(torch.int32)
-        self.offsets[:bs] += 1
+        advance(self.bufs.buf[:bs], tok, self.out[:bs], ids, self.offsets[:bs], self.block_size,
+                (_POS, _CTX, _SLOT, _NCOLS))
 
     def capture(self, side, bs: int, greedy: bool) -> torch.cuda.CUDAGraph:
         """Capture (once) the step for ``bs`` rows on ``side``'s stream. Buffers are reset to padding
