@@ -43,6 +43,13 @@ clock median 1582 MHz, reason 0x4 = software power cap); alone on 80 SMs the pre
 decode on 52 SMs at 1965 MHz, but together they draw 687-700 W and the clock drops to a median 1530 MHz
 (min 1215): 1920 / 1530 = 1.25x, the slowdown both lanes show. So partitioning cannot add much work on a card
 whose prefill alone is power-bound; the partition-alone times above are at boost clocks.
+
+The energy columns (NVML's energy counter, when the ``nvidia-ml-py`` wheel is carried) settle it. On the
+same card, 2026-11-30, alone on the whole GPU the prefill drew 654-670 W and the 64 x 4096 decode steps
+703-715 W: both phases already run at the cap, so there is no idle power for a co-run to use. At the best
+pairs the co-run spent 0.97-1.01x the joules of the same work done alone, drawing 703-737 W. Its gain, 1.10-1.12x,
+is what lower clocks save in energy. The "cap ceiling" column is the ratio a co-run at 700 W would reach at the
+alone runs' joules per unit of work: 1.00-1.03 for every pair.
 """
 
 from __future__ import annotations
