@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
 
+from bench.gpu_kernels import capture, timeit
 from bullet.batch import Chunk
 from bullet.config import MODELS
 from bullet.gpu.attention import DecodeBuffers
@@ -29,33 +30,6 @@ from bullet.gpu.sampling import sample
 from bullet.gpu.weights import load_weights
 
 COPY_CEILING = 4.3e12  # BACKGROUND.md
-
-
-def events_time(fn, reps: int = 20) -> float:
-    """Median ms of ``fn`` between CUDA events."""
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times = sorted(times[3:])
-    return times[len(times) // 2]
-
-
-def graph_time(fn, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    g.replay()
-    return events_time(g.replay, reps)
 
 
 def main() -> None:
@@ -125,7 +99,8 @@ def main() -> None:
               "forward (embedding, layers, final norm)": forward,
               "step: forward + LM head + greedy sample": step}
     for name, fn in chains.items():
-        t = graph_time(fn)
+        g, _ = capture(fn)
+        t = timeit(g.replay, 3, 30) * 1e3  # ms
         note = f"{t / L * 1e3:.1f} us/layer; layers' weights at {layer_bytes / t / 1e9:.2f} TB/s"
         rows.append((f"graph: {name}", t, note))
 

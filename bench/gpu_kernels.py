@@ -280,10 +280,10 @@ def main() -> None:
                      f"{weight_read / t / 1e12:.2f} TB/s", ""))
     t_cublas1 = res["decode1_gemms_graph_s"]
     gemv_sweep = {}
-    options = [tuple(GEMV_DEFAULT.values())] if args.quick else \
-        itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
-    for bn, bk, nw, pdl in options:
-        cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "pdl": pdl}
+    options = [dict(GEMV_DEFAULT)] if args.quick else \
+        [{"block_n": bn, "block_k": bk, "num_warps": nw, "pdl": pdl}
+         for bn, bk, nw, pdl in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))]
+    for cfg in options:
         try:
             gemv_sweep[json.dumps(cfg)] = gemm_only(1, cfg)
         except Exception as e:  # noqa: BLE001 - report and go on

@@ -6,8 +6,8 @@ kernel does, as asked:
 
 - ``norm``: RMSNorm of ``x`` first. The product takes ``x * weight`` tile by tile and each program sums
   ``x^2`` from the same tiles, scaling its sums by the rms at the end: no pass over ``x`` before the first
-  multiply (a pass that cost ~6 us a layer, bench/batch1_breakdown.py). So the normalised row is kept in fp32,
-  not rounded to the model dtype as ``rms_norm`` rounds it (one rounding fewer than the unfused path);
+  multiply. So the normalised row is kept in fp32, not rounded to the model dtype as ``rms_norm`` rounds it
+  (one rounding fewer than the unfused path);
 - ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``), each program takes matching gate and up rows and writes
   ``silu(gate) * up`` (``I`` outputs), as ``silu_mul`` after the product would;
 - ``residual``: ``residual += y`` in place, rounded once (as the batched path's ``addmm``);
@@ -20,8 +20,10 @@ kernel does, as asked:
   a forward begins); ``x`` and ``residual`` are read after the wait.
 
 Each program owns ``block_n`` output rows and walks K in ``block_k`` steps, keeping the next tile's loads
-(weights, ``x``, the norm weight) in flight while it multiplies the current one: an L2 round trip for ``x``
-inside the step cost ~7 us a layer at batch 1 (bench/batch1_breakdown.py).
+(weights, ``x``, the norm weight) in flight while it multiplies the current one. Loading ``x`` and the norm
+weight inside the step instead put an L2 round trip on each step's critical path: at batch 1 the fused norm
+then cost 0.21-0.31 ms a step (about 8.5 us a layer), 0.10-0.16 ms with them loaded ahead, and the plain GEMVs
+went from 4.11 to 4.23-4.29 TB/s (bench/batch1_breakdown.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
