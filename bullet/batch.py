@@ -43,6 +43,7 @@ class Batch:
     layers: range  # all layers, or a slice: layer-granular prefill
     chunks: tuple[Chunk, ...]
     steps: int = 1  # sampling happens in the launch whose layer slice reaches the last layer
+    cached_tokens: int = 0  # prompt tokens of requests first admitted into this launch that hit the prefix cache
 
     def __post_init__(self) -> None:
         if self.steps > 1 and not all(c.sample for c in self.chunks):

@@ -69,6 +69,13 @@ def simulate(
                                                            "memory).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, "
                                                                "activations and KV cache.")] = 0.9,
+    prefix_caching: Annotated[bool, typer.Option(help="Reuse the KV of full prompt blocks that an earlier "
+                                                      "request computed (as vLLM's automatic prefix caching, "
+                                                      "on by default there too). Needs prefix information: "
+                                                      "the trace's hash_ids column or Mooncake hash_ids.")]
+    = True,
+    hash_block_size: Annotated[int, typer.Option(help="Prompt tokens per id in the trace's hash_ids "
+                                                      "(Mooncake: 512).")] = 512,
     seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
                                                      "and timeline.csv.")] = None,
@@ -97,10 +104,11 @@ def simulate(
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                                 layers_per_step=layers_per_step)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                            gpu_memory_utilization=gpu_memory_utilization)
+                            gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         requests = load_trace(trace, trace_format, num_requests=num_requests, rate=rate,
-                              arrival_process=arrival.value, cv=cv, seed=seed)
+                              arrival_process=arrival.value, cv=cv, seed=seed,
+                              hash_block_size=hash_block_size)
     except (ConfigError, TraceError) as e:
         raise fail(str(e)) from None
     console = Console(stderr=as_json)
@@ -169,7 +177,13 @@ def print_summary(s: dict, console: Console) -> None:
     tput.add_row(f"SLO attainment (TTFT {ttft_slo}, TPOT {slo['tpot_ms']:g} ms)",
                  f"{100 * s['slo_attainment']:.1f} %")
     tput.add_row("goodput", f"{s['goodput']:.2f} req/s")
+    if s.get("rejected"):
+        tput.add_row("[yellow]rejected (never served)[/yellow]", f"{s['rejected']:,}: {s['rejected_example']}")
     tput.add_row("preemptions", str(s["preemptions"]))
+    if s.get("prefix_caching"):
+        tput.add_row("prefix cache hit rate",
+                     f"{100 * s['prefix_cache_hit_rate']:.1f} % ({s['prefix_cache_hit_tokens']:,} of "
+                     f"{s['prefix_cache_query_tokens']:,} tokens)")
     for lane, busy in s.get("lane_busy_s", {}).items():
         tput.add_row(f"GPU busy, {lane} lane", f"{busy:.1f} s ({100 * s['lane_busy_frac'][lane]:.0f} %)")
     console.print(tput)

@@ -47,13 +47,17 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
 def _stats_table(s: TraceStats) -> Table:
     table = Table()
     table.add_column("")
-    for col in ("count", "span s", "rate req/s", "inter-arrival CV"):
+    for col in ("count", "span s", "rate req/s", "inter-arrival CV", "prefix hit rate, infinite cache"):
         table.add_column(col, justify="right")
     table.add_row("requests", f"{s['count']:,}", _fmt(s["span_s"], 1), _fmt(s["rate"], 3),
-                  _fmt(s["interarrival_cv"], 3))
+                  _fmt(s["interarrival_cv"], 3), _percent(s["prefix_hit_rate_ideal"]))
     lengths = Table(title="tokens per request", title_justify="left")
     lengths.add_column("")
     for col in ("mean", "p50", "p90", "p99", "max"):
@@ -74,13 +78,19 @@ def stats(
     format: Annotated[FormatChoice | None, typer.Option(
         "--format", help="Trace format; detected from the first line when omitted.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the statistics as one JSON object.")] = False,
+    hash_block_size: Annotated[int, typer.Option(
+        "--hash-block-size", min=1, help="Tokens per hash id in the trace's hash_ids (Mooncake: 512).")] = 512,
+    block_size: Annotated[int, typer.Option(
+        "--block-size", min=1, help="KV cache block size in tokens; the ideal prefix hit rate counts whole blocks.")] = 16,
 ) -> None:
-    """Summarise a trace: count, span, rate, inter-arrival CV, input/output length percentiles.
+    """Summarise a trace: count, span, rate, inter-arrival CV, input/output length percentiles, and for a trace
+    with prompt hashes (hash_ids) the share of prompt tokens an infinite prefix cache would serve.
 
-    Length-only traces have no arrival times, so span, rate and CV show as '-' (null in JSON)."""
+    Length-only traces have no arrival times, so span, rate and CV show as '-' (null in JSON); traces without
+    hashes show the hit rate as '-' (null)."""
     try:
-        table = read_table(file, format.value if format else None)
-        s = trace_stats(table)
+        table = read_table(file, format.value if format else None, hash_block_size=hash_block_size)
+        s = trace_stats(table, block_size=block_size)
     except TraceError as e:
         raise fail(str(e)) from None
     if as_json:

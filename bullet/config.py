@@ -259,6 +259,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # fixed pool size; None sizes it from memory
     activation_bytes: int = 2 * GB  # workspace reserved for activations, graphs and partitions
+    prefix_caching: bool = True  # reuse the KV of full prompt blocks another request computed (vLLM V1's default)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "gpu_memory_utilization", "activation_bytes")

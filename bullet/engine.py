@@ -13,7 +13,9 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
           on_step: Callable[[StepResult], None] | None = None,
           on_finish: Callable[[Request], None] | None = None) -> list[Request]:
     """Feed ``requests`` (by arrival time) to ``scheduler``, run its batches on ``executor`` until every
-    request has finished; returns them in finishing order. ``on_step`` sees every launch's result."""
+    request has finished; returns them in finishing order. ``on_step`` sees every launch's result. A request
+    the scheduler refuses (longer than the model's context or the whole KV cache) is returned at once with
+    ``error`` set, and the others go on."""
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     total, nxt = len(pending), 0
     finished: list[Request] = []
@@ -22,8 +24,15 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
     while len(finished) < total:
         now = executor.now()
         while nxt < total and pending[nxt].arrival <= now:
-            scheduler.add(pending[nxt])
+            req = pending[nxt]
             nxt += 1
+            try:
+                scheduler.add(req)
+            except SchedulingError as e:  # this request cannot be served at all: reject it alone
+                req.error, req.finish_time = str(e), now
+                finished.append(req)
+                if on_finish is not None:
+                    on_finish(req)
         horizon = pending[nxt].arrival if nxt < total else None
         for lane in lanes:
             if not executor.busy(lane):

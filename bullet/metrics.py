@@ -4,7 +4,8 @@
 - TPOT of a request: (E2E - TTFT) / (output tokens - 1), for requests with more than one output token;
 - ITL: every gap between consecutive output tokens of a request, pooled over requests;
 - a request attains when TTFT <= its TTFT target (absolute, or per prompt token as in the Bullet paper)
-  and TPOT <= the TPOT target; goodput = attaining requests per second of the run.
+  and TPOT <= the TPOT target; goodput = attaining requests per second of the run;
+- a request rejected unserved (too long) has no latencies; it counts against attainment.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ PERCENTILES = (50, 90, 99)
 
 
 def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.ndarray]:
-    """One array per column, one row per finished request (ordered by id). Times in seconds."""
-    reqs = sorted(reqs, key=lambda r: r.id)
+    """One array per column, one row per served request (ordered by id; rejected ones are left out). Times
+    in seconds."""
+    reqs = sorted((r for r in reqs if r.error is None), key=lambda r: r.id)
     n = len(reqs)
     arrival = np.fromiter((r.arrival for r in reqs), float, n)
     first = np.fromiter((r.first_token_time for r in reqs), float, n)
@@ -50,6 +52,7 @@ def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.nda
         "first_token": first, "finish": finish, "ttft": ttft, "tpot": tpot, "e2e": e2e,
         "ttft_target": ttft_target, "attained": attained,
         "preemptions": np.fromiter((r.num_preemptions for r in reqs), np.int64, n),
+        "cached_tokens": np.fromiter((r.num_cached_tokens for r in reqs), np.int64, n),
     }
 
 
@@ -77,8 +80,10 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
     last completion), busy time per lane in seconds and as a fraction of the run."""
     cols = cols if cols is not None else request_columns(reqs, slo)
     n = len(cols["id"])
+    rejected = [r for r in reqs if r.error is not None]
     if n == 0:
-        raise ValueError("no finished requests to summarise")
+        why = f" ({len(rejected)} rejected: {rejected[0].error})" if rejected else ""
+        raise ValueError(f"no finished requests to summarise{why}")
     duration = float(cols["finish"].max() - cols["arrival"].min())
     duration = duration if duration > 0 else float("nan")
     out_tokens = int(cols["output_tokens"].sum())
@@ -95,9 +100,12 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
         "slo": {"ttft_ms": None if slo.ttft is None else slo.ttft * 1e3,
                 "ttft_per_token_ms": None if slo.ttft_per_token is None else slo.ttft_per_token * 1e3,
                 "tpot_ms": None if slo.tpot is None else slo.tpot * 1e3},
-        "slo_attainment": good / n,
+        "rejected": len(rejected),
+        "rejected_example": rejected[0].error if rejected else None,
+        "slo_attainment": good / (n + len(rejected)),  # a rejected request met no SLO
         "goodput": good / duration,
         "preemptions": int(cols["preemptions"].sum()),
+        "cached_prompt_tokens": int(cols["cached_tokens"].sum()),
     }
     for name in ("ttft", "tpot", "e2e"):
         summary[f"{name}_ms"] = {k: v * 1e3 for k, v in _stats(cols[name]).items()}
@@ -109,8 +117,9 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
 
 
 class Timeline:
-    """Every launch as it came back: lane, SMs, layers, tokens and sequences per step, step end times.
-    ``on_step`` plugs into ``serve(on_step=...)``."""
+    """Every launch as it came back: lane, SMs, layers, tokens and sequences per step, step end times, and
+    the prompt tokens its newly admitted requests found in the prefix cache. ``on_step`` plugs into
+    ``serve(on_step=...)``."""
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
@@ -121,18 +130,18 @@ class Timeline:
         lane = b.partition.lane
         self.busy[lane] = self.busy.get(lane, 0.0) + (res.end - res.start)
         self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop, b.num_tokens,
-                          len(b.chunks), res.start, res.step_ends))
+                          len(b.chunks), res.start, res.step_ends, b.cached_tokens))
 
     def write_csv(self, path: Path) -> None:
         """One row per step (a fused launch of k steps gives k rows)."""
-        header = ["lane", "sms", "layer_start", "layer_stop", "tokens", "seqs", "start", "end"]
+        header = ["lane", "sms", "layer_start", "layer_stop", "tokens", "seqs", "start", "end", "cached_tokens"]
         with atomic_write(path) as f:
             w = csv.writer(f)
             w.writerow(header)
-            for lane, sms, l0, l1, tokens, seqs, start, ends in self.rows:
-                w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}"))
+            for lane, sms, l0, l1, tokens, seqs, start, ends, cached in self.rows:
+                w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}", cached))
                 # a fused launch's later steps decode one token of every sequence
-                w.writerows((lane, sms, l0, l1, seqs, seqs, f"{s:.6f}", f"{e:.6f}")
+                w.writerows((lane, sms, l0, l1, seqs, seqs, f"{s:.6f}", f"{e:.6f}", 0)
                             for s, e in pairwise(ends))
 
 

@@ -6,15 +6,25 @@ Formats (detected from the first line, or named with ``format=``):
     Azure LLM inference trace 2023: ``TIMESTAMP,ContextTokens,GeneratedTokens`` with timestamps like
     ``2023-11-16 18:15:46.6805900``; arrivals are seconds since the earliest row.
 ``vidur``
-    ``arrived_at,num_prefill_tokens,num_decode_tokens`` (seconds; extra columns are ignored).
+    ``arrived_at,num_prefill_tokens,num_decode_tokens[,hash_ids]`` (seconds; extra columns are ignored).
 ``mooncake``
     JSON lines ``{"timestamp": <ms>, "input_length": n, "output_length": n, "hash_ids": [...]}``;
-    arrivals are ``(timestamp - first) / 1000``. ``hash_ids`` are not used.
+    arrivals are ``(timestamp - first) / 1000``.
 ``lengths``
-    ``num_prefill_tokens,num_decode_tokens,...`` with no arrival column: arrivals are synthesised at ``rate``.
+    ``num_prefill_tokens,num_decode_tokens[,hash_ids],...`` with no arrival column: arrivals are synthesised at
+    ``rate``.
 
 Token counts must be positive integers (the public Azure, Vidur, ShareGPT and arXiv files have no zeros);
 any bad value raises :class:`TraceError` naming the file, the 1-based line and the field.
+
+Prompt prefixes: ``hash_ids`` names a prompt's blocks of ``hash_block_size`` tokens (512 in Mooncake's traces),
+one id per block including a last partial one, so a prompt of ``n`` tokens has ``ceil(n / hash_block_size)``
+ids; two requests whose leading ids agree share that prefix. In Mooncake files it is a JSON list (a row may
+omit the key); in the CSV formats an optional ``hash_ids`` column holds the ids separated by single spaces (an
+empty cell: none for that row). Ids are integers in ``[0, 2**63)``. No format stores the block size: it is
+the ``hash_block_size`` argument of :func:`read_table` and :func:`load_trace` (``--hash-block-size``), and a
+row whose id count does not fit its prompt at that size is an error. :func:`materialize_prompt_ids` turns
+hashes into token ids for an executor that needs real prompts.
 
 The mean rate of a set of arrivals is ``(n - 1) / span``: the inverse of the mean inter-arrival time, so a
 Poisson trace generated at rate ``r`` reports about ``r`` and a rescaled trace reports exactly its target.
@@ -31,13 +41,14 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Literal, TypedDict
 
 import numpy as np
 
+from .kvcache import ideal_hit_tokens
 from .request import Request
 
 TraceFormat = Literal["azure", "vidur", "mooncake", "lengths"]
@@ -61,6 +72,11 @@ _CSV_COLUMNS: dict[str, tuple[str | None, str, str]] = {
     "lengths": (None, "num_prefill_tokens", "num_decode_tokens"),
 }
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+HASH_COLUMN = "hash_ids"  # the optional prompt-hash column (CSV) or key (Mooncake JSON)
+_HASHED_CSV_FORMATS = ("vidur", "lengths")  # CSV formats that may carry a hash_ids column
+_MAX_HASH = 2**63 - 1
+_INT_TYPE = {int}
+_ABSENT = object()  # a JSON row without the key
 
 
 class TraceError(ValueError):
@@ -83,13 +99,16 @@ class TraceError(ValueError):
 @dataclass(frozen=True, slots=True)
 class TraceTable:
     """A trace as read from disk, before trimming and arrival synthesis: one entry per data row, in file
-    order. ``arrivals`` is None for a length-only trace; otherwise seconds since the earliest row."""
+    order. ``arrivals`` is None for a length-only trace; otherwise seconds since the earliest row.
+    ``hash_ids`` holds each row's prompt hashes (see the module docstring) when the file has any."""
 
     path: str
     format: str
     arrivals: np.ndarray | None  # float64
     prompt_lens: np.ndarray  # int64
     output_lens: np.ndarray  # int64
+    hash_ids: list[tuple[int, ...] | None] | None = None  # per row (None: the row has none); None: no row has
+    hash_block: int = 512  # tokens per hash id; every row's id count was checked against it
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -133,6 +152,69 @@ def _seconds(text: str, path: str, line: int, field: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise TraceError(f"expected a non-negative number, got {text!r}", path, line, field)
     return value
+
+
+def _hash_block_size(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise TraceError(f"hash_block_size (tokens per hash id) must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _hash_count_error(ids: int, prompt_len: int, hash_block: int, path: str, line: int) -> TraceError:
+    blocks = -(-prompt_len // hash_block)
+    return TraceError(f"the row has {ids} hash id{'s' * (ids != 1)}, but its {prompt_len}-token prompt has "
+                      f"{blocks} block{'s' * (blocks != 1)} of {hash_block} tokens (is the hash block size "
+                      "right? set it with --hash-block-size)", path, line, HASH_COLUMN)
+
+
+def _json_hash_ids(value: object, prompt_len: int, hash_block: int, path: str, line: int) -> tuple[int, ...]:
+    """A Mooncake row's ``hash_ids``: a list of integers in ``[0, 2**63)``, one per block of the prompt."""
+    if not isinstance(value, list):
+        raise TraceError(f"expected a list of non-negative integers, got {_clip(repr(value))}", path, line,
+                         HASH_COLUMN)
+    if not set(map(type, value)) <= _INT_TYPE or (value and not (min(value) >= 0 and max(value) <= _MAX_HASH)):
+        k, bad = next((k, x) for k, x in enumerate(value) if type(x) is not int or not 0 <= x <= _MAX_HASH)
+        raise TraceError(f"expected a list of non-negative integers below 2**63, got {bad!r} at index {k}",
+                         path, line, HASH_COLUMN)
+    if len(value) != -(-prompt_len // hash_block):
+        raise _hash_count_error(len(value), prompt_len, hash_block, path, line)
+    return tuple(value)
+
+
+def _hash_cell(text: str) -> tuple[int, ...] | None:
+    """A CSV ``hash_ids`` cell: integers in ``[0, 2**63)`` separated by single spaces; None when empty.
+    Raises a plain ValueError when the cell is malformed (the caller knows the line)."""
+    cell = text.strip()
+    if not cell:
+        return None
+    if not (cell.isascii() and cell.replace(" ", "").isdigit()) or "  " in cell:
+        raise ValueError(cell)
+    ids = tuple(map(int, cell.split(" ")))
+    if max(ids) > _MAX_HASH:
+        raise ValueError(cell)
+    return ids
+
+
+def _checked_hash_cell(text: str, prompt_len: int, hash_block: int, path: str, line: int) -> tuple[int, ...] | None:
+    try:
+        ids = _hash_cell(text)
+    except ValueError:
+        raise TraceError("expected non-negative integers below 2**63 separated by single spaces, got "
+                         f"{_clip(text)!r}", path, line, HASH_COLUMN) from None
+    if ids is not None and len(ids) != -(-prompt_len // hash_block):
+        raise _hash_count_error(len(ids), prompt_len, hash_block, path, line)
+    return ids
+
+
+def _hashes_fit(hashes: list[tuple[int, ...] | None], prompts: np.ndarray, hash_block: int) -> bool:
+    """Whether every row with hash ids has exactly one per block of its prompt."""
+    counts = np.fromiter((-1 if h is None else len(h) for h in hashes), dtype=np.int64, count=len(hashes))
+    has = counts >= 0
+    return bool(np.array_equal(counts[has], -(-prompts[has] // hash_block)))
 
 
 def _parse_datetime(text: str) -> datetime:
@@ -253,7 +335,7 @@ def _detect(first_line: str, path: str) -> str:
         "timestamp/input_length/output_length (mooncake)", path, 1)
 
 
-def _read_csv(text: str, path: str, fmt: str) -> TraceTable:
+def _read_csv(text: str, path: str, fmt: str, hash_block: int) -> TraceTable:
     reader = csv.reader(io.StringIO(text))
     header = [h.strip() for h in next(reader)]
     lower = [h.lower() for h in header]
@@ -269,19 +351,22 @@ def _read_csv(text: str, path: str, fmt: str) -> TraceTable:
                              path, 1, col)
         index.append(lower.index(col.lower()))
         names.append(col)
+    hashed = fmt in _HASHED_CSV_FORMATS and HASH_COLUMN in lower
+    index.append(lower.index(HASH_COLUMN) if hashed else -1)
+    names.append(HASH_COLUMN)
     if '"' in text:
         rows = [row for row in reader if row]
     else:  # no quoting: a plain split is several times faster than the csv module
         rows = [line.split(",") for line in text.splitlines()[1:] if line]
-    return (_csv_fast(rows, path, fmt, index, names)
-            or _csv_checked(text, path, fmt, index, names, len(header)))
+    return (_csv_fast(rows, path, fmt, index, names, hash_block)
+            or _csv_checked(text, path, fmt, index, names, len(header), hash_block))
 
 
-def _csv_fast(rows: list[list[str]], path: str, fmt: str, index: list[int],
-              names: list[str]) -> TraceTable | None:
+def _csv_fast(rows: list[list[str]], path: str, fmt: str, index: list[int], names: list[str],
+              hash_block: int) -> TraceTable | None:
     """The quick pass: whole columns at once, no line bookkeeping. None when any value is off (or the file
     is empty), so that :func:`_csv_checked` reads it again and reports the exact line and field."""
-    i_t, i_p, i_o = index
+    i_t, i_p, i_o, i_h = index
     if not rows:
         return None
     try:
@@ -299,32 +384,36 @@ def _csv_fast(rows: list[list[str]], path: str, fmt: str, index: list[int],
                 return None
         else:
             times = None
+        hashes = [_hash_cell(row[i_h]) for row in rows] if i_h >= 0 else None
     except (ValueError, IndexError):  # TraceError is a ValueError
         return None
     if prompts.min() <= 0 or outputs.min() <= 0:
         return None
+    if hashes is not None and not _hashes_fit(hashes, prompts, hash_block):
+        return None
     if times is not None:
         times -= times.min()
-    return TraceTable(path, fmt, times, prompts, outputs)
+    return TraceTable(path, fmt, times, prompts, outputs, _some(hashes), hash_block)
 
 
 def _csv_checked(text: str, path: str, fmt: str, index: list[int], names: list[str],
-                 header_len: int) -> TraceTable:
+                 header_len: int, hash_block: int) -> TraceTable:
     """Row by row, raising :class:`TraceError` at the first bad value (line numbers from the csv reader)."""
-    i_t, i_p, i_o = index
-    n_t, n_p, n_o = names
+    i_t, i_p, i_o, i_h = index
+    n_t, n_p, n_o, _ = names
     need = max(index) + 1
     reader = csv.reader(io.StringIO(text))
     next(reader)
     arrivals: list[float] = []
     prompts: list[int] = []
     outputs: list[int] = []
+    hashes: list[tuple[int, ...] | None] | None = [] if i_h >= 0 else None
     clock = _Clock()
     for row in reader:
         if len(row) < need:
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue  # blank line
-            missing = next(names[k] for k in range(3) if index[k] >= len(row))
+            missing = next(names[k] for k in range(len(index)) if index[k] >= len(row))
             raise TraceError(f"missing value (the row has {len(row)} fields, the header {header_len})",
                              path, reader.line_num, missing)
         prompts.append(_positive_int(row[i_p], path, reader.line_num, n_p))
@@ -333,13 +422,17 @@ def _csv_checked(text: str, path: str, fmt: str, index: list[int], names: list[s
             arrivals.append(clock.seconds(row[i_t], path, reader.line_num, n_t))
         elif fmt == "vidur":
             arrivals.append(_seconds(row[i_t], path, reader.line_num, n_t))
-    return _table(path, fmt, arrivals if fmt != "lengths" else None, prompts, outputs, reader.line_num)
+        if hashes is not None:
+            hashes.append(_checked_hash_cell(row[i_h], prompts[-1], hash_block, path, reader.line_num))
+    return _table(path, fmt, arrivals if fmt != "lengths" else None, prompts, outputs, reader.line_num,
+                  hashes, hash_block)
 
 
-def _read_jsonl(text: str, path: str) -> TraceTable:
+def _read_jsonl(text: str, path: str, hash_block: int) -> TraceTable:
     arrivals: list[float] = []
     prompts: list[int] = []
     outputs: list[int] = []
+    hashes: list[tuple[int, ...] | None] = []
     line = 0
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
@@ -364,11 +457,18 @@ def _read_jsonl(text: str, path: str) -> TraceTable:
         arrivals.append(t / 1000.0)
         prompts.append(int(p))
         outputs.append(int(o))
-    return _table(path, "mooncake", arrivals, prompts, outputs, line)
+        ids = obj.get(HASH_COLUMN, _ABSENT)
+        hashes.append(None if ids is _ABSENT else _json_hash_ids(ids, prompts[-1], hash_block, path, line))
+    return _table(path, "mooncake", arrivals, prompts, outputs, line, hashes, hash_block)
+
+
+def _some(hashes: list[tuple[int, ...] | None] | None) -> list[tuple[int, ...] | None] | None:
+    """``hashes``, or None when no row has any."""
+    return hashes if hashes is not None and any(h is not None for h in hashes) else None
 
 
 def _table(path: str, fmt: str, arrivals: list[float] | None, prompts: list[int], outputs: list[int],
-           last_line: int) -> TraceTable:
+           last_line: int, hashes: list[tuple[int, ...] | None] | None, hash_block: int) -> TraceTable:
     if not prompts:
         raise TraceError("no requests (the file has a header but no data rows)"
                          if fmt != "mooncake" else "no requests", path, last_line + 1)
@@ -376,11 +476,16 @@ def _table(path: str, fmt: str, arrivals: list[float] | None, prompts: list[int]
     if arrivals is not None:
         arr = np.asarray(arrivals, dtype=np.float64)
         arr -= arr.min()
-    return TraceTable(path, fmt, arr, np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64))
+    return TraceTable(path, fmt, arr, np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64),
+                      _some(hashes), hash_block)
 
 
-def read_table(path: str | os.PathLike, format: TraceFormat | None = None) -> TraceTable:
-    """Read and validate every row of a trace file (``path`` may also be a built-in trace name)."""
+def read_table(path: str | os.PathLike, format: TraceFormat | None = None, *,
+               hash_block_size: int = 512) -> TraceTable:
+    """Read and validate every row of a trace file (``path`` may also be a built-in trace name).
+    ``hash_block_size`` is the number of prompt tokens per hash id (see the module docstring): a row whose
+    ``hash_ids`` do not number one per block of its prompt is a :class:`TraceError`."""
+    hash_block = _hash_block_size(hash_block_size)
     p = resolve_trace(path)
     name = str(p)
     if format is not None and format not in FORMATS:
@@ -398,7 +503,9 @@ def read_table(path: str | os.PathLike, format: TraceFormat | None = None) -> Tr
         raise TraceError("the first line is blank (expected a header line or a JSON object)", name, 1)
     fmt = format or _detect(first, name)
     with _gc_paused():
-        return _read_jsonl(text, name) if fmt == "mooncake" else _read_csv(text, name, fmt)
+        if fmt == "mooncake":
+            return _read_jsonl(text, name, hash_block)
+        return _read_csv(text, name, fmt, hash_block)
 
 
 # --------------------------------------------------------------------------------------------- arrivals
@@ -460,15 +567,20 @@ def lognormal_lengths(n: int, mean: float, cv: float, rng: np.random.Generator, 
 # --------------------------------------------------------------------------------------------- loading
 
 
-def _requests(times: np.ndarray, prompts: np.ndarray, outputs: np.ndarray) -> list[Request]:
+def _requests(times: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
+              hashes: list[tuple[int, ...] | None] | None = None, hash_block: int = 512) -> list[Request]:
     with _gc_paused():
-        return [Request(i, t, p, o) for i, (t, p, o) in
-                enumerate(zip(times.tolist(), prompts.tolist(), outputs.tolist()))]
+        rows = zip(times.tolist(), prompts.tolist(), outputs.tolist())
+        if hashes is None:
+            return [Request(i, t, p, o) for i, (t, p, o) in enumerate(rows)]
+        return [Request(i, t, p, o, hash_ids=h, hash_block=hash_block)
+                for i, ((t, p, o), h) in enumerate(zip(rows, hashes))]
 
 
 def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, num_requests: int | None = None,
                rate: float | None = None, arrival_process: ArrivalProcess = "poisson", cv: float = 1.0,
-               seed: int = 0, time_scale: float | None = None, start: int = 0) -> list[Request]:
+               seed: int = 0, time_scale: float | None = None, start: int = 0,
+               hash_block_size: int = 512) -> list[Request]:
     """Load a trace file (or a built-in trace name, see :func:`resolve_trace`) as requests with ids
     ``0..n-1`` in arrival order, the first arriving at 0 s.
 
@@ -477,7 +589,10 @@ def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, nu
     ``rate`` rescales the times of a timed trace so that its mean rate, ``(n - 1) / span``, equals ``rate``
     (the burst shape is kept); a length-only trace needs ``rate`` and gets arrivals from
     :func:`arrivals` with ``arrival_process``, ``cv`` and ``seed``. ``time_scale`` multiplies the times of a
-    timed trace instead (2.0 = half the rate); it cannot be combined with ``rate``."""
+    timed trace instead (2.0 = half the rate); it cannot be combined with ``rate``.
+
+    Rows with prompt hashes give requests with ``hash_ids`` and ``hash_block = hash_block_size`` (tokens per
+    id: 512 for Mooncake's traces; a row whose id count does not fit its prompt at that size is an error)."""
     if rate is not None and time_scale is not None:
         raise TraceError("give either rate or time_scale, not both")
     if time_scale is not None:
@@ -487,23 +602,26 @@ def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, nu
     if num_requests is not None and (isinstance(num_requests, bool) or not isinstance(num_requests, int)
                                      or num_requests < 1):
         raise TraceError(f"num_requests must be a positive integer, got {num_requests!r}")
-    table = read_table(path, format)
+    table = read_table(path, format, hash_block_size=hash_block_size)
     if table.arrivals is None and rate is None:
         raise TraceError("a length-only trace has no arrival times: give a rate (requests/s) to "
                          "synthesise them", table.path)
     if table.arrivals is None and time_scale is not None:
         raise TraceError("time_scale needs a trace with arrival times; this one is length-only",
                          table.path)
-    prompts, outputs, times = table.prompt_lens, table.output_lens, table.arrivals
+    prompts, outputs, times, hashes = table.prompt_lens, table.output_lens, table.arrivals, table.hash_ids
     if times is not None:
         order = np.argsort(times, kind="stable")
         times, prompts, outputs = times[order], prompts[order], outputs[order]
+        if hashes is not None:
+            hashes = [hashes[i] for i in order.tolist()]
     total = len(prompts)
     stop = total if num_requests is None else start + num_requests
     if start >= total or stop > total:
         want = "all" if num_requests is None else str(num_requests)
         raise TraceError(f"asked for {want} requests from row {start}, but the trace has {total}", table.path)
     prompts, outputs = prompts[start:stop], outputs[start:stop]
+    hashes = None if hashes is None else hashes[start:stop]
     n = len(prompts)
     if times is None:
         times = arrivals(n, rate, arrival_process, cv, seed)  # type: ignore[arg-type]
@@ -519,14 +637,31 @@ def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, nu
                 times = times * ((n - 1) / span / rate)
         elif time_scale is not None:
             times = times * time_scale
-    return _requests(times, prompts, outputs)
+    return _requests(times, prompts, outputs, hashes, table.hash_block)
+
+
+def _hash_blocks(requests: Sequence[Request]) -> set[int]:
+    """The ``hash_block`` sizes of the requests that have hash ids (empty when none has)."""
+    return {r.hash_block for r in requests if r.hash_ids is not None}
 
 
 def save_trace(requests: Sequence[Request], path: str | os.PathLike) -> None:
-    """Write requests in the Vidur format (``arrived_at`` with 6 decimals), atomically (temp file, rename)."""
+    """Write requests in the Vidur format (``arrived_at`` with 6 decimals), atomically (temp file, rename).
+    When any request has ``hash_ids`` a fourth column ``hash_ids`` holds them, separated by single spaces
+    (empty for a request without); the block size is not stored, so give it to :func:`load_trace` as
+    ``hash_block_size`` when it is not 512. Requests whose hash block sizes differ cannot be saved together."""
     target = Path(path)
-    lines = ["arrived_at,num_prefill_tokens,num_decode_tokens\n"]
-    lines.extend(f"{r.arrival:.6f},{r.prompt_len},{r.max_new_tokens}\n" for r in requests)
+    blocks = _hash_blocks(requests)
+    if len(blocks) > 1:
+        raise TraceError(f"the requests' hash ids use different block sizes ({sorted(blocks)}); a CSV trace "
+                         "stores ids for one size")
+    if blocks:
+        lines = ["arrived_at,num_prefill_tokens,num_decode_tokens,hash_ids\n"]
+        lines.extend(f"{r.arrival:.6f},{r.prompt_len},{r.max_new_tokens},"
+                     f"{'' if r.hash_ids is None else ' '.join(map(str, r.hash_ids))}\n" for r in requests)
+    else:
+        lines = ["arrived_at,num_prefill_tokens,num_decode_tokens\n"]
+        lines.extend(f"{r.arrival:.6f},{r.prompt_len},{r.max_new_tokens}\n" for r in requests)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
@@ -579,6 +714,65 @@ def synthesize(num_requests: int, rate: float, *, arrival_process: ArrivalProces
     return _requests(times, prompts, outputs)
 
 
+# --------------------------------------------------------------------------------------------- prompt tokens
+
+_U64 = 2**64
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, splitmix64's increment
+_SALT_HASHED, _SALT_PLAIN = 0, 1  # keep the two kinds of prompt apart
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic): a bijection whose every output bit
+    depends on every input bit."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _salt(seed: int, kind: int) -> np.uint64:
+    """A 64-bit salt from the seed; hashed and plain prompts get different ones for the same seed."""
+    return _mix64(np.array([(2 * seed + kind) % _U64], dtype=np.uint64))[0]
+
+
+def _tokens(keys: np.ndarray, offsets: np.ndarray, salt: np.uint64, vocab_size: int) -> np.ndarray:
+    """Token ids in ``[0, vocab_size)``: a pseudo-random function of (key, offset, salt), element-wise."""
+    x = _mix64(keys ^ salt)
+    x = _mix64(x + offsets * _GOLDEN)
+    return (x % np.uint64(vocab_size)).astype(np.int64)
+
+
+def _prompt_tokens(req: Request, vocab_size: int, seed: int) -> np.ndarray:
+    """``req``'s prompt as token ids: from its hash ids when it has them, else from its id."""
+    positions = np.arange(req.prompt_len, dtype=np.uint64)
+    if req.hash_ids is not None:
+        block = np.uint64(req.hash_block)
+        ids = np.array([h % _U64 for h in req.hash_ids], dtype=np.uint64)
+        return _tokens(ids[positions // block], positions % block, _salt(seed, _SALT_HASHED), vocab_size)
+    keys = np.full(req.prompt_len, req.id % _U64, dtype=np.uint64)
+    return _tokens(keys, positions, _salt(seed, _SALT_PLAIN), vocab_size)
+
+
+def materialize_prompt_ids(requests: Sequence[Request], vocab_size: int, seed: int = 0) -> list[Request]:
+    """Copies of ``requests`` with ``prompt_ids`` filled in, for an executor that runs real prompts (the inputs
+    are not changed; the copies get their own output lists).
+
+    The token at prompt position ``p`` is a pseudo-random function, in ``[0, vocab_size)``, of
+    ``(hash_ids[p // hash_block], p % hash_block, seed)`` for a request with hash ids, so requests whose leading
+    ids agree get the same tokens there and a prefix cache keyed by tokens sees the prefixes the trace names;
+    and of ``(request id, p, seed)`` for a request without, so two such requests share no prefix (except by
+    chance, about once in ``vocab_size`` per first token). Deterministic: the same inputs and seed give the same
+    tokens. The function is splitmix64's finaliser applied twice, vectorised over each prompt."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+        raise TraceError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TraceError(f"seed must be an integer, got {seed!r}")
+    return [replace(r, prompt_ids=tuple(_prompt_tokens(r, int(vocab_size), int(seed)).tolist()),
+                    output_ids=list(r.output_ids), token_times=list(r.token_times))
+            for r in requests]
+
+
 # --------------------------------------------------------------------------------------------- names
 
 
@@ -611,7 +805,7 @@ def resolve_trace(name_or_path: str | os.PathLike) -> Path:
 
 class TraceStats(TypedDict):
     """Summary of a trace; ``span_s``/``rate``/``interarrival_cv`` are None without arrival times (or when
-    undefined: fewer than 2 requests, zero span)."""
+    undefined: fewer than 2 requests, zero span); ``prefix_hit_rate_ideal`` is None without prompt hashes."""
 
     count: int
     span_s: float | None
@@ -627,11 +821,32 @@ class TraceStats(TypedDict):
     output_p90: float
     output_p99: float
     output_max: int
+    prefix_hit_rate_ideal: float | None
 
 
-def trace_stats(requests: Sequence[Request] | TraceTable) -> TraceStats:
+def _table_requests(table: TraceTable) -> list[Request]:
+    """The table's rows as requests in file order (ids are row numbers; arrival 0 without times)."""
+    times = table.arrivals if table.arrivals is not None else np.zeros(len(table))
+    return _requests(times, table.prompt_lens, table.output_lens, table.hash_ids, table.hash_block)
+
+
+def ideal_prefix_hit_rate(requests: Sequence[Request], block_size: int = 16) -> float | None:
+    """The share of prompt tokens an infinite prefix cache of ``block_size``-token KV blocks would serve,
+    replaying the requests in arrival order (:func:`bullet.kvcache.ideal_hit_tokens`); None when no request
+    names its prompt's content (neither ``hash_ids`` nor ``prompt_ids``)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise TraceError(f"block_size (KV cache block, tokens) must be a positive integer, got {block_size!r}")
+    if not any(r.hash_ids is not None or r.prompt_ids is not None for r in requests):
+        return None
+    hit, total = ideal_hit_tokens(list(requests), int(block_size))
+    return hit / total
+
+
+def trace_stats(requests: Sequence[Request] | TraceTable, *, block_size: int = 16) -> TraceStats:
     """Count, span (s), mean rate ``(n - 1) / span`` (req/s), inter-arrival CV (population std / mean),
-    and the mean / p50 / p90 / p99 / max of the prompt and output lengths."""
+    the mean / p50 / p90 / p99 / max of the prompt and output lengths, and the ideal prefix hit rate at
+    ``block_size`` tokens per KV block (:func:`ideal_prefix_hit_rate`; a table's hashes count in blocks of its
+    ``hash_block``, a request's in its own ``hash_block``)."""
     if isinstance(requests, TraceTable):
         times, prompts, outputs = requests.arrivals, requests.prompt_lens, requests.output_lens
     else:
@@ -653,4 +868,7 @@ def trace_stats(requests: Sequence[Request] | TraceTable) -> TraceStats:
         p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
         out.update({f"{key}_mean": float(values.mean()), f"{key}_p50": p50, f"{key}_p90": p90,
                     f"{key}_p99": p99, f"{key}_max": int(values.max())})
+    if isinstance(requests, TraceTable):
+        requests = _table_requests(requests) if requests.hash_ids is not None else []
+    out["prefix_hit_rate_ideal"] = ideal_prefix_hit_rate(requests, block_size)
     return TraceStats(**out)

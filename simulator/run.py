@@ -43,7 +43,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     t0 = time.perf_counter()
     cache, slo = cache or CacheConfig(), slo or SloConfig()
     latency = CachedLatency(latency or default_latency_model(model, gpu))
-    kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size)
+    kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency)
     timeline = Timeline()
     gc_was_on = gc.isenabled()
@@ -57,7 +57,10 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     cols = request_columns(done, slo)
     summary = summarize(done, slo, timeline.busy, cols)
     summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, kv_blocks=kv.num_blocks,
-                   block_size=kv.block_size, launches=len(timeline.rows))
+                   block_size=kv.block_size, launches=len(timeline.rows), prefix_caching=kv.prefix_caching,
+                   prefix_cache_hit_tokens=scheduler.hit_tokens, prefix_cache_query_tokens=scheduler.query_tokens,
+                   prefix_cache_hit_rate=(scheduler.hit_tokens / scheduler.query_tokens
+                                          if scheduler.query_tokens else 0.0))
     wall = time.perf_counter() - t0
     summary["sim_wall_s"] = wall
     return SimulationResult(done, cols, summary, timeline, wall)

@@ -58,14 +58,20 @@ def make_requests(n=7, seed=0, with_ids=False):
     return reqs
 
 
-def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, **cfg):
+def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, prefix_caching=False,
+              waves=None, **cfg):
+    """``waves``: lists of requests served one after another by the same scheduler and executor (so that
+    later ones can find earlier ones' blocks in the prefix cache); default one wave of ``reqs``."""
     gpu = GPUS["h200"]
     executor = GpuExecutor(SPEC, "dummy", device, block_size=4, num_blocks=num_blocks, seed=SEED,
                            weights=weights, dtype=dtype, menu=menu)
-    kv = BlockManager(num_blocks, 4)
+    kv = BlockManager(num_blocks, 4, prefix_caching)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers))
     steps = []
-    done = serve(reqs, sched, executor, on_step=steps.append)
+    done = []
+    for wave in waves or [reqs]:
+        done += serve(wave, sched, executor, on_step=steps.append)
+    executor.sched = sched
     executor.num_graphs = sum(len(lg.graphs) for lg in executor._graphs.values())  # before close() drops them
     executor.close()
     return done, steps, executor
@@ -111,6 +117,59 @@ def test_preemption_recompute_matches_reference(weights):
     done, _steps, _ = run_serve(weights, reqs, "chunked", num_blocks=14, max_batched_tokens=16)
     assert sum(r.num_preemptions for r in done) > 0
     check_against_reference(weights, done, reqs)
+
+
+def shared_prefix_waves():
+    """Block size 4. Wave 1: request 0, prompt = 16 base tokens + 3 of its own, 2 new tokens: its 19 prompt
+    tokens and first output (20 positions, 5 full blocks) end up cached. Wave 2 (all at once, so they hit
+    only request 0's blocks): the base cut at 12, 16 and 8 tokens, each followed by tokens that differ from
+    the base's continuation, and request 0's prompt again. Hits, by hand: 12, 16, 8 and 16 tokens (the
+    repeat may not hit its whole 19-token prompt: 4 whole blocks leave its last 3 tokens to compute)."""
+    rng = np.random.default_rng(11)
+    base = [int(x) for x in rng.integers(0, SPEC.vocab_size, 16)]
+
+    def own(cut, n):  # n tokens after base[:cut], the first differing from base[cut]
+        tail = [int(x) for x in rng.integers(0, SPEC.vocab_size, n)]
+        if cut < len(base):
+            tail[0] = (base[cut] + 1) % SPEC.vocab_size
+        return tuple(base[:cut] + tail)
+
+    first = Request(0, 0.0, 19, 2, prompt_ids=own(16, 3))
+    second = [Request(i, 0.0, len(p), m, prompt_ids=p) for i, (p, m) in
+              enumerate([(own(12, 5), 4), (own(16, 2), 3), (own(8, 9), 5), (first.prompt_ids, 3)], start=1)]
+    return [first], second, 12 + 16 + 8 + 16
+
+
+@pytest.mark.parametrize("policy,cfg", [
+    ("chunked", {"max_batched_tokens": 16}),
+    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1}),
+])
+def test_prefix_cache_hits_match_reference(weights, policy, cfg):
+    """Requests whose prompts share prefixes start their prefill after the cached blocks and attend to the
+    cached KV: greedy outputs equal the plain-torch reference and the run without prefix caching."""
+    waves = {flag: shared_prefix_waves() for flag in (True, False)}
+    outs = {}
+    for flag, (w1, w2, hits) in waves.items():
+        done, steps, ex = run_serve(weights, None, policy, prefix_caching=flag, waves=[w1, w2], **cfg)
+        check_against_reference(weights, done, w1 + w2)
+        assert ex.sched.hit_tokens == (hits if flag else 0)
+        firsts: dict[int, int] = {}  # where each wave-2 request's first prefill chunk starts
+        for s in steps:
+            for c in s.batch.chunks:
+                if s.batch.layers.start == 0 and c.req_id > 0:
+                    firsts.setdefault(c.req_id, c.start)
+        assert sorted(firsts.values()) == ([8, 12, 16, 16] if flag else [0, 0, 0, 0])
+        assert sum(s.batch.cached_tokens for s in steps) == (hits if flag else 0)
+        outs[flag] = {r.id: r.output_ids for r in done}
+    assert outs[True] == outs[False]
+
+
+def test_synthetic_ids_never_take_a_cached_prefix(weights):
+    """A chunk past position 0 without token ids, for a request this executor never saw, would attend to
+    KV computed from another request's synthetic ids: refused with a message."""
+    ex = direct_executor(weights)
+    with pytest.raises(ValueError, match="prefix-cache hit on synthetic ids"):
+        ex.launch(Batch(Partition("all", 132), range(SPEC.num_layers), (Chunk(7, 8, 4, (0, 1, 2), True),)))
 
 
 def direct_executor(weights, **kw):
@@ -201,6 +260,21 @@ def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg):
                                        menu=gpu_menu, **cfg)
     check_against_reference(weights, done, reqs)
     assert executor.num_graphs > 0  # decode ran as CUDA graphs captured on the partitions
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_cache_hits_match_reference(weights, gpu_menu):
+    """The prefix-cache case of the CPU test on the GPU (float32, partitions, graphs), cached and not."""
+    outs = {}
+    for flag in (True, False):
+        w1, w2, hits = shared_prefix_waves()
+        done, _steps, ex = run_serve(weights, None, "static-split", device="cuda", dtype=torch.float32,
+                                     menu=gpu_menu, prefix_caching=flag, waves=[w1, w2], max_batched_tokens=32,
+                                     layers_per_step=1, prefill_sms=64)
+        check_against_reference(weights, done, w1 + w2)
+        assert ex.sched.hit_tokens == (hits if flag else 0)
+        outs[flag] = {r.id: r.output_ids for r in done}
+    assert outs[True] == outs[False]
 
 
 @pytest.mark.gpu

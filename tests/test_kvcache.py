@@ -1,5 +1,6 @@
 """The block manager under random allocate / append / free / preempt sequences (property-based)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,3 +99,171 @@ def test_check_detects_double_ownership():
     kv.tables[1] = list(kv.tables[0])
     with pytest.raises(KvCacheError):
         kv.check()
+
+
+# ---------------------------------------------------------------------------------------------- prefix cache
+
+from bullet.request import Request
+
+BS = 4
+
+
+def req(rid, ids, hash_ids=None, hash_block=8, n=None):
+    return Request(rid, 0.0, n or len(ids), 1, prompt_ids=None if hash_ids else tuple(ids),
+                   hash_ids=hash_ids, hash_block=hash_block)
+
+
+def compute(kv, r, tokens):
+    """Pretend the request's KV up to ``tokens`` is written, and cache its full blocks."""
+    r.num_computed = tokens
+    kv.commit(r, tokens)
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Random admissions of prompts drawn from a few shared prefixes, partial computes, frees, in a small pool
+    (so cached blocks get evicted). A model of the pool's contents (which prompt prefix each block's KV was
+    computed for) checks every hit: a hit block always holds exactly the asking prompt's prefix."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = BlockManager(num_blocks=40, block_size=BS, prefix_caching=True)
+        rng = np.random.default_rng(0)
+        self.bases = [tuple(int(x) for x in rng.integers(0, 50, 40)) for _ in range(3)]
+        self.content: dict[int, tuple | None] = {}  # block -> the token prefix its KV was computed for
+        self.held: dict[int, Request] = {}
+        self.next_id = 0
+
+    @rule(family=st.integers(0, 2), cut=st.integers(0, 40), tail=st.lists(st.integers(0, 60), max_size=12))
+    def admit(self, family, cut, tail):
+        ids = self.bases[family][:cut] + tuple(tail)
+        if not ids:
+            return
+        r = req(self.next_id, ids)
+        self.next_id += 1
+        hits = self.kv.match(r)
+        assert len(hits) * BS <= len(ids) - 1  # at least one token is left to compute
+        for k, b in enumerate(hits):
+            assert self.content.get(b) == ids[:(k + 1) * BS], "a hit returned another prompt's KV"
+        need = self.kv.blocks_for(len(ids)) - len(hits) + self.kv.hit_cost(hits)
+        if need > self.kv.num_free:
+            return
+        self.kv.take(r.id, hits)
+        table = self.kv.allocate(r.id, len(ids))
+        for b in table[len(hits):]:
+            self.content[b] = None  # fresh block: garbage until computed
+        r.num_computed = len(hits) * BS
+        self.held[r.id] = r
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def compute_some(self, data):
+        r = data.draw(st.sampled_from(sorted(self.held.values(), key=lambda r: r.id)))
+        upto = data.draw(st.integers(r.num_computed, r.prompt_len))
+        table = self.kv.tables[r.id]
+        for k in range(r.num_computed // BS, upto // BS):
+            self.content[table[k]] = r.prompt_ids[:(k + 1) * BS]
+        compute(self.kv, r, upto)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.held)))
+        n = len(self.kv.tables[rid])
+        assert self.kv.free(rid) == n
+        del self.held[rid]
+
+    @invariant()
+    def accounting(self):
+        self.kv.check()
+        held = {b for t in self.kv.tables.values() for b in t}
+        assert self.kv.num_free == 40 - len(held)
+
+
+TestPrefixMachine = PrefixMachine.TestCase
+TestPrefixMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_hits_are_whole_blocks_of_the_longest_cached_prefix():
+    kv = BlockManager(64, BS, prefix_caching=True)
+    a = req(0, range(20))
+    kv.allocate(0, 20)
+    compute(kv, a, 20)  # 5 full blocks cached
+    assert kv.num_cached == 5
+    assert kv.match(req(1, [*range(10), 99])) == kv.tables[0][:2]  # 10 shared tokens: 2 whole blocks
+    assert kv.match(req(2, range(20))) == kv.tables[0][:4]  # all 20 shared: the last block is recomputed
+    assert kv.match(req(3, range(21))) == kv.tables[0][:5]
+    assert kv.match(req(4, [1, *range(1, 20)])) == []  # differs in the first token
+    assert kv.match(req(5, range(3))) == []  # shorter than a block
+
+
+def test_lru_evicts_the_oldest_and_tails_first_and_only_when_needed():
+    """8 blocks. A (16 tokens, 4 blocks) is cached and freed: its blocks wait in the LRU list, tail first.
+    B takes 2 of the 4 never-used blocks: nothing evicted. C needs 4 blocks: the 2 plain ones, then the 2
+    oldest cached, which are A's last two blocks; A's first two survive."""
+    kv = BlockManager(8, BS, prefix_caching=True)
+    a = req(0, range(16))
+    kv.allocate(0, 16)
+    compute(kv, a, 16)
+    a_blocks = list(kv.tables[0])
+    kv.free(0)
+    assert kv.num_free == 8 and kv.num_cached == 4
+    kv.allocate(1, 8)
+    assert kv.num_cached == 4 and not set(kv.tables[1]) & set(a_blocks)
+    kv.allocate(2, 16)
+    assert set(kv.tables[2]) & set(a_blocks) == set(a_blocks[2:])
+    assert kv.match(req(3, range(17))) == a_blocks[:2]
+    kv.check()
+
+
+def test_shared_blocks_are_counted_once_and_freed_by_the_last_holder():
+    kv = BlockManager(16, BS, prefix_caching=True)
+    a = req(0, range(12))
+    kv.allocate(0, 12)
+    compute(kv, a, 12)
+    b = req(1, [*range(8), 50, 51, 52, 53, 54])
+    hits = kv.match(b)
+    assert hits == kv.tables[0][:2] and kv.hit_cost(hits) == 0  # held by A: taking them costs nothing
+    kv.take(1, hits)
+    kv.allocate(1, 13)
+    assert kv.num_free == 16 - 3 - 2  # A's 3 blocks and B's 2 own ones; the shared 2 counted once
+    assert kv.freeable([1]) == 2 and kv.freeable([0]) == 1 and kv.freeable([0, 1]) == 5
+    kv.free(0)
+    assert kv.num_free == 16 - 4  # A's third block is cached-free; the shared two stay with B
+    kv.check()
+    kv.free(1)
+    assert kv.num_free == 16 and kv.num_cached == 3  # B's own blocks were never computed: not cached
+    kv.check()
+
+
+def test_equal_python_hashes_never_share_kv():
+    """Python hashes ints modulo 2**61 - 1, so these two token blocks hash alike; their KV must not be
+    shared. (Real token ids are small; the point is that a key is compared, not only hashed.)"""
+    p = 2**61 - 1
+    x, y = (5, 7, 9, 11), (5 + p, 7, 9, 11)
+    assert hash(x) == hash(y) and x != y
+    kv = BlockManager(8, BS, prefix_caching=True)
+    kv.allocate(0, 8)
+    compute(kv, req(0, [*x, 1, 2, 3, 4]), 8)
+    assert kv.match(req(1, [*y, 1, 2, 3, 4, 5])) == []
+    assert len(kv.match(req(2, [*x, 1, 2, 3, 4, 5]))) == 2
+
+
+def test_trace_hashes_key_blocks():
+    """Blocks of 4 under hashes of 8 tokens: a shared first hash id shares the first two KV blocks."""
+    kv = BlockManager(16, BS, prefix_caching=True)
+    a = req(0, None, hash_ids=(1, 2), n=16)
+    kv.allocate(0, 16)
+    compute(kv, a, 16)
+    assert kv.num_cached == 4
+    assert kv.match(req(1, None, hash_ids=(1, 3), n=16)) == kv.tables[0][:2]
+    assert kv.match(req(2, None, hash_ids=(1, 2, 7), n=20)) == kv.tables[0][:4]
+    assert kv.match(req(3, None, hash_ids=(4, 2), n=16)) == []
+    # a prompt given as token ids never matches hash keys, whatever its ids
+    assert kv.match(req(4, range(16))) == []
+
+
+def test_prefix_caching_off_caches_nothing():
+    kv = BlockManager(8, BS)
+    kv.allocate(0, 16)
+    compute(kv, req(0, range(16)), 16)
+    assert kv.num_cached == 0 and kv.match(req(1, range(17))) == []

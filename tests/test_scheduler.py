@@ -106,12 +106,24 @@ def test_progress_under_kv_pressure(policy):
         assert r.output_ids == list(range(r.prompt_len, r.prompt_len + r.max_new_tokens))
 
 
-def test_oversized_request_is_rejected_with_a_message():
-    reqs = [Request(0, 0.0, 5000, 10)]
-    with pytest.raises(RuntimeError, match="needs 5010 tokens"):
-        run("chunked", reqs, num_blocks=100)
-    with pytest.raises(RuntimeError, match="needs 200000 positions"):
-        run("chunked", [Request(0, 0.0, 190000, 10000)])
+def test_oversized_request_is_rejected_alone_with_a_message():
+    """A request that can never be served (more KV than the whole pool, or more positions than the model)
+    comes back at once with its reason; the others are served as if it had not been there."""
+    ok = [Request(1, 0.0, 100, 10), Request(3, 0.2, 50, 5)]
+    reqs = [Request(0, 0.0, 5000, 10), ok[0], Request(2, 0.1, 190000, 10000), ok[1]]
+    done, _steps, _ = run("chunked", reqs, num_blocks=100)
+    by_id = {r.id: r for r in done}
+    assert "needs 5010 tokens" in by_id[0].error and by_id[0].finish_time == 0.0
+    assert "needs 200000 positions" in by_id[2].error and by_id[2].num_output == 0
+    alone, _, _ = run("chunked", [Request(1, 0.0, 100, 10), Request(3, 0.2, 50, 5)], num_blocks=100)
+    for r in alone:
+        assert by_id[r.id].error is None and by_id[r.id].token_times == r.token_times
+    slo = SloConfig(ttft=10.0, tpot=10.0)
+    from bullet.metrics import request_columns, summarize
+
+    s = summarize(done, slo)
+    assert s["requests"] == 2 and s["rejected"] == 2 and s["slo_attainment"] == 0.5
+    assert list(request_columns(done, slo)["id"]) == [1, 3]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -242,3 +254,26 @@ def test_inline_work_equals_work_of():
     serve(make_requests(60, seed=11), sched, SimExecutor(lat, MODEL.num_layers), on_step=steps.append)
     works = {work_of(s.batch, MODEL.num_layers) for s in steps if s.batch.steps > 1}
     assert works and works <= set(seen) | {w for w in works if w.tokens != w.seqs}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_end_of_sequence_ends_a_request(policy):
+    """EchoExecutor samples token p at position p. With the end-of-sequence id 130, a request with a 100-token
+    prompt ends after its 31st token (ids 100..130) wherever that token falls: a single step, inside a fused
+    stretch or at a stretch's end (the last case ran on to max_new_tokens before)."""
+    from bullet.request import SamplingParams
+
+    stop = SamplingParams(ignore_eos=False)
+    lat = LinearLatency(MODEL.num_layers)
+    for max_steps in (1, 2, 3, 7, 31, 1 << 30):
+        reqs = [Request(0, 0.0, 100, 200, sampling=stop), Request(1, 0.0, 90, 200, sampling=stop),
+                Request(2, 0.0, 50, 20)]  # request 2 ignores it (and never samples 130 anyway)
+        kv = BlockManager(600, 16)
+        cfg = SchedulerConfig(policy=policy, max_decode_steps=max_steps)
+        sched = make_scheduler(cfg, MODEL, GPU, kv, lat, eos_token_id=130)
+        done = {r.id: r for r in serve(reqs, sched, EchoExecutor(lat, MODEL.num_layers))}
+        assert done[0].output_ids == list(range(100, 131)), max_steps
+        assert done[1].output_ids == list(range(90, 131)), max_steps
+        assert done[2].output_ids == list(range(50, 70))
+        assert len(done[0].token_times) == 31 and done[0].finish_time == done[0].token_times[-1]
+        assert kv.num_free == 600

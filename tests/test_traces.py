@@ -40,6 +40,7 @@ SPLIT_CONV = RAW / "splitwise_conv.csv"
 SPLIT_CODE = RAW / "splitwise_code.csv"
 SHAREGPT = RAW / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 ARXIV = RAW / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
+MOONCAKE = RAW / "mooncake_synthetic_trace.jsonl"
 
 needs_raw = pytest.mark.skipif(not CONV.is_file(), reason=f"public traces not found in {RAW}")
 
@@ -65,6 +66,7 @@ def cli() -> typer.Typer:
     (CODE, "azure", 8_819, 3435.95),
     (SPLIT_CONV, "vidur", 19_366, 3501.72),
     (SPLIT_CODE, "vidur", 8_819, 3435.95),
+    (MOONCAKE, "mooncake", 3_993, 1022.03),
 ])
 def test_timed_public_traces(path, fmt, count, span):
     table = read_table(path)
@@ -72,10 +74,16 @@ def test_timed_public_traces(path, fmt, count, span):
     reqs = load_trace(path)
     assert len(reqs) == count
     assert [r.id for r in reqs[:3]] == [0, 1, 2] and reqs[0].arrival == 0.0
-    s = trace_stats(reqs)
+    s = trace_stats(reqs, block_size=512)  # the Mooncake replay at 16-token blocks takes seconds
     assert s["count"] == count
     assert s["span_s"] == pytest.approx(span, abs=0.01)
     assert all(a.arrival <= b.arrival for a, b in itertools.pairwise(reqs))
+    if fmt == "mooncake":  # every row names its 512-token blocks
+        assert all(len(r.hash_ids) == -(-r.prompt_len // 512) and r.hash_block == 512 for r in reqs)
+        assert 0.0 < s["prefix_hit_rate_ideal"] < 1.0
+    else:
+        assert table.hash_ids is None and all(r.hash_ids is None for r in reqs)
+        assert s["prefix_hit_rate_ideal"] is None
 
 
 @needs_raw
@@ -105,6 +113,7 @@ def test_azure_and_splitwise_copies_agree(azure, vidur):
 def test_length_only_public_traces(path, count, max_total):
     table = read_table(path)
     assert table.format == "lengths" and table.arrivals is None and len(table) == count
+    assert table.hash_ids is None and trace_stats(table)["prefix_hit_rate_ideal"] is None
     assert int((table.prompt_lens + table.output_lens).max()) <= max_total
     with pytest.raises(TraceError, match="rate"):
         load_trace(path)
@@ -130,15 +139,15 @@ def test_rate_rescaling_keeps_the_burst_shape():
 
 def test_mooncake_jsonl(tmp_path):
     rows = [
-        {"timestamp": 5000, "input_length": 100, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 5000, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]},
         {"timestamp": 2000, "input_length": 200, "output_length": 20, "hash_ids": [1]},
-        {"timestamp": 2500, "input_length": 300, "output_length": 30, "hash_ids": []},
+        {"timestamp": 2500, "input_length": 300, "output_length": 30},
     ]
     path = write(tmp_path, "\n".join(json.dumps(r) for r in rows) + "\n\n", "trace.jsonl")
     assert read_table(path).format == "mooncake"
     reqs = load_trace(path)
-    assert [(r.id, r.arrival, r.prompt_len, r.max_new_tokens) for r in reqs] == [
-        (0, 0.0, 200, 20), (1, 0.5, 300, 30), (2, 3.0, 100, 10)]
+    assert [(r.id, r.arrival, r.prompt_len, r.max_new_tokens, r.hash_ids) for r in reqs] == [
+        (0, 0.0, 200, 20, (1,)), (1, 0.5, 300, 30, None), (2, 3.0, 600, 10, (1, 2))]
 
 
 def test_vidur_extra_columns_reordered_and_unsorted(tmp_path):

@@ -77,6 +77,7 @@ class _ReqState:
     slot: int  # index into the device-side last-token array
     next_pos: int = -1  # position of the last sampled token (the next decode input), -1: none yet
     out_start: int | None = None  # position of the first sampled token (== prompt length)
+    seen: int = 0  # positions [0, seen) have been inputs of this executor (their ids are known here)
     outputs: list[int] = field(default_factory=list)  # sampled ids read back, in position order
     table: np.ndarray | None = None  # host copy of the block table (int32), grown by appends
     table_len: int = 0
@@ -279,6 +280,11 @@ class GpuExecutor:
                 ids[row:row + n] = c.token_ids
             else:
                 stop = c.start + n
+                if c.start > st.seen and c.start != st.next_pos:
+                    raise ValueError(f"request {c.req_id}: a chunk at position {c.start} without token ids, but "
+                                     f"this executor has seen only positions [0, {st.seen}) of it: a prefix-"
+                                     "cache hit on synthetic ids would attend to another prompt's KV (give the "
+                                     "request prompt_ids, e.g. bullet.traces.materialize_prompt_ids)")
                 prompt_end = stop if st.out_start is None else min(stop, st.out_start)
                 if prompt_end > c.start:
                     ids[row:row + prompt_end - c.start] = synthetic_ids(c.req_id, c.start, prompt_end - c.start,
@@ -292,6 +298,7 @@ class GpuExecutor:
                         ids[row + p - c.start] = st.outputs[k]
                     else:
                         raise ValueError(f"request {c.req_id}: no token id for position {p}")
+            st.seen = max(st.seen, c.start + n)
             row += n
         return ids, rows, slots
 
@@ -385,6 +392,7 @@ class GpuExecutor:
             for c in samp:
                 st = self._state(c.req_id)
                 st.next_pos = c.start + c.num_tokens + steps - 1
+                st.seen = max(st.seen, st.next_pos)
                 if st.out_start is None:
                     st.out_start = c.start + c.num_tokens
         return toks, cols

@@ -7,7 +7,9 @@ come back (``on_result``), so the same code drives the simulator and the GPU.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -41,7 +43,13 @@ class Scheduler:
         self.inflight: dict[Lane, tuple[Batch, list[Request]]] = {}
         self.busy: set[int] = set()  # ids of requests inside a launched batch
         self.partial: dict[int, Request] = {}  # running, prompt (or recompute) not finished: next is a chunk
+        self.rank: dict[int, int] = {}  # priority (admission order, lower first), fixed at first admission
+        self._next_rank = 0
         self.num_preemptions = 0
+        self.hit_tokens = 0  # prefix-cache hits at admissions, in tokens
+        self.query_tokens = 0  # known tokens of the requests admitted with prefix caching on
+        self._new_hits = 0  # hits admitted since the last launch (reported on that launch)
+        self._hit_memo: tuple[Request, int, list[int]] | None = None
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -61,46 +69,119 @@ class Scheduler:
         raise NotImplementedError
 
     def _launch(self, lane: Lane, batch: Batch, reqs: list[Request]) -> Batch:
+        if self._new_hits:  # prefix-cache hits of the requests admitted into this launch
+            batch = replace(batch, cached_tokens=self._new_hits)
+            self._new_hits = 0
         self.inflight[lane] = (batch, reqs)
         self.busy.update(r.id for r in reqs)
         return batch
 
-    # ---- KV and preemption ------------------------------------------------------------------------
+    # ---- KV, priority and preemption ----------------------------------------------------------------
+    # Priority is admission order: a request's rank is fixed when it is first admitted, and ``running`` is
+    # kept sorted by it. The rules, and why no request is preempted twice:
+    #  1. a request short of KV may evict only idle running requests of lower priority (higher rank), never
+    #     one that was preempted before; if that cannot make room, it waits (holding what it has);
+    #  2. a fresh request is admitted only if its whole known prefix fits beside what running prefills
+    #     still need;
+    #  3. a preempted request waits at the front of the queue (in rank order) and is re-admitted only when
+    #     it and every running request of higher priority could all grow to their final length
+    #     (prompt + max_new_tokens) within the free blocks.
+    # By 3, the requests ranked at or above the lowest-priority re-admitted one fit the pool at their final
+    # size; so whenever one of them is short, the blocks it needs are free or held by lower-priority,
+    # never-preempted requests, which rule 1 may evict: a re-admitted request is never a victim and never
+    # starves. Each request is preempted at most once, so the recomputed tokens are at most what each
+    # preempted request had computed when it was evicted (tests/test_preemption.py checks both).
     def _reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make ``req`` hold ``num_tokens`` tokens, preempting idle running requests (newest first)
-        if the pool is short. False if even that cannot make room (``req`` itself is not preempted)."""
+        """Make ``req`` hold ``num_tokens`` tokens, evicting idle, never-preempted running requests of lower
+        priority (lowest first) if the pool is short. False, evicting nobody, if that cannot make room."""
         kv = self.kv
         need = kv.extra_blocks(req.id, num_tokens)
-        while need > kv.num_free:
-            victim = next((r for r in reversed(self.running)
-                           if r.id not in self.busy and r is not req), None)
-            if victim is None:
+        if need > kv.num_free:
+            rank, busy, mine = self.rank, self.busy, self.rank[req.id]
+            victims = []
+            for v in reversed(self.running):
+                if rank[v.id] <= mine:
+                    break
+                if v.id not in busy and not v.num_preemptions:
+                    victims.append(v)
+            if need > kv.num_free + kv.freeable([v.id for v in victims]):
                 return False
-            self.preempt(victim)
+            for v in victims:
+                if need <= kv.num_free:
+                    break
+                self.preempt(v)
         kv.allocate(req.id, num_tokens)
         return True
 
     def preempt(self, req: Request) -> None:
-        """Drop ``req``'s KV; it goes back to the front of the queue and recomputes what it knows."""
+        """Drop ``req``'s KV (its cached blocks stay cached); it goes back to the front of the queue, behind
+        preempted requests of higher priority, and later recomputes what it knew."""
         self.kv.free(req.id)
         self.running.remove(req)
         self.partial.pop(req.id, None)
         req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        waiting, rank, mine = self.waiting, self.rank, self.rank[req.id]
+        i = 0
+        while i < len(waiting) and waiting[i].num_preemptions and rank[waiting[i].id] < mine:
+            i += 1
+        waiting.insert(i, req)
+
+    def _hits(self, req: Request) -> list[int]:
+        """Cached blocks of ``req``'s prefix (memoised while the cache is unchanged)."""
+        if not self.kv.prefix_caching or (req.prompt_ids is None and req.hash_ids is None):
+            return []
+        memo = self._hit_memo
+        if memo is not None and memo[0] is req and memo[1] == self.kv.version:
+            return memo[2]
+        hits = self.kv.match(req)
+        self._hit_memo = (req, self.kv.version, hits)
+        return hits
+
+    def _fits(self, req: Request) -> bool:
+        """Rules 2 and 3 above: may ``req`` (the head of the queue) be admitted now?"""
+        kv = self.kv
+        hits = self._hits(req)
+        tables, blocks_for = kv.tables, kv.blocks_for
+        if req.num_preemptions:
+            mine = self.rank[req.id]
+            need = blocks_for(req.prompt_len + req.max_new_tokens) - len(hits)
+            for r in self.running:
+                if self.rank[r.id] > mine:
+                    break
+                need += max(0, blocks_for(r.prompt_len + r.max_new_tokens) - len(tables[r.id]))
+        else:
+            need = blocks_for(req.known) - len(hits)
+            for r in self.partial.values():
+                need += max(0, blocks_for(r.known) - len(tables[r.id]))
+        return need + (kv.hit_cost(hits) if hits else 0) <= kv.num_free
 
     def _admit(self, req: Request) -> None:
+        """Move the head of the queue to ``running`` (in rank order), starting its table with its cached
+        prefix; its first chunk starts after the hit."""
         self.waiting.popleft()
-        self.running.append(req)
+        hits = self._hits(req)
+        if req.id not in self.rank:
+            self.rank[req.id] = self._next_rank
+            self._next_rank += 1
+            self.running.append(req)
+            req.num_cached_tokens = len(hits) * self.kv.block_size
+        else:
+            insort(self.running, req, key=lambda r: self.rank[r.id])
+        if self.kv.prefix_caching:
+            self.kv.take(req.id, hits)
+            got = len(hits) * self.kv.block_size
+            req.num_computed = got
+            self.hit_tokens += got
+            self.query_tokens += req.known
+            self._new_hits += got
 
     def admissible(self) -> bool:
-        """The head of the queue could start a prefill now: a seat, and KV for its first chunk."""
+        """The head of the queue could start its prefill now: a seat, and KV under the rules above."""
         if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
             return False
-        head = self.waiting[0]
-        first = head.num_computed + min(head.remaining, self.cfg.max_batched_tokens)
-        return self.kv.extra_blocks(head.id, first) <= self.kv.num_free
+        return self._fits(self.waiting[0])
 
     # ---- chunks ------------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
@@ -129,10 +210,8 @@ class Scheduler:
             budget -= n
         while budget > 0 and self.admissible():
             r = self.waiting[0]
+            self._admit(r)  # rules 2-3 leave room for the whole prefill: no preemption to admit new work
             n = min(r.remaining, budget)
-            if self.kv.extra_blocks(r.id, r.num_computed + n) > self.kv.num_free:
-                break  # no preemption to admit new work: new requests wait for free blocks
-            self._admit(r)
             self.kv.allocate(r.id, r.num_computed + n)
             chunks.append(self._prefill_chunk(r, n))
             reqs.append(r)
@@ -202,8 +281,8 @@ class Scheduler:
         return self._launch(lane, Batch(partition, self.all_layers, tuple(chunks), extra + 1), reqs)
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
-        """KV for one more token of each request, preempting the newest idle ones when short; returns
-        those still running."""
+        """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;
+        returns those that got it (the others wait a step, or were evicted)."""
         kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
         grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= len(tables[r.id]) * bs]
         if len(grow) > kv.num_free:
@@ -212,11 +291,13 @@ class Scheduler:
         return reqs
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
-        """Reserve one step of KV for each request, preempting the newest idle ones when short."""
-        for r in list(reqs):
-            if r.num_computed and not self._reserve(r, r.num_computed + 1):
-                self.preempt(r)
-        return [r for r in reqs if r.num_computed > 0]
+        """Reserve one step of KV for each request in priority order under rule 1; a request that cannot
+        get it waits this step."""
+        ok = []
+        for r in reqs:
+            if r.num_computed and self._reserve(r, r.num_computed + 1):
+                ok.append(r)
+        return [r for r in ok if r.num_computed > 0]
 
     def _kv_steps(self, spare: list[int], steps: int) -> int:
         """The most steps (<= ``steps``, >= 0) that every request can grow by within the free blocks;
@@ -249,20 +330,29 @@ class Scheduler:
         ends = [res.end] if steps == 1 else list(res.step_ends)
         first_end = ends[0]
         done: list[Request] = []
+        caching, bs = self.kv.prefix_caching, self.kv.block_size
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             r.num_computed = c.start + c.num_tokens + steps - 1
+            keyed = (caching and r.num_computed // bs != c.start // bs  # a block filled up: cache it
+                     and (r.prompt_ids is not None or r.hash_ids is not None))
             if not c.sample:
                 self.partial[r.id] = r
+                if keyed:
+                    self.kv.commit(r, r.num_computed)
                 continue
             if self.partial:
                 self.partial.pop(r.id, None)
             n_new = steps
+            eos = False
             if tokens is not None:
                 new = tokens[:, j].tolist()
                 if not r.sampling.ignore_eos and self.eos_token_id in new:
                     n_new = new.index(self.eos_token_id) + 1
+                    eos = True
                     del new[n_new:]
                 r.output_ids.extend(new)
+            if keyed:
+                self.kv.commit(r, r.num_computed)
             if n_new == steps:
                 r.token_times.extend(ends)
             else:
@@ -270,7 +360,7 @@ class Scheduler:
             if r.first_token_time is None:
                 r.first_token_time = first_end
             r.num_output += n_new
-            if n_new < steps or r.num_output >= r.max_new_tokens:
+            if eos or r.num_output >= r.max_new_tokens:
                 self._finish(r, ends[n_new - 1])
                 done.append(r)
         return done
@@ -283,3 +373,4 @@ class Scheduler:
         r.finish_time = now
         self.kv.free(r.id)
         self.running.remove(r)
+        del self.rank[r.id]
