@@ -28,7 +28,7 @@ from bullet.perfmodel import work_of
 from bullet.perfmodel.base import step_times
 from bullet.perfmodel.roofline import RooflineModel
 from bullet.policies import make_scheduler
-from bullet.traces import load_trace
+from bullet.traces import load_trace, materialize_prompt_ids
 from simulator import simulate
 
 
@@ -78,8 +78,15 @@ class HostTimed:
         self.host[batch.lane] = self.host.get(batch.lane, 0.0) + time.perf_counter() - t
 
 
-def fresh(args):
-    return load_trace(args.trace, num_requests=args.num_requests, rate=args.rate, seed=args.seed)
+def fresh(args, vocab_size: int):
+    """The trace's requests (prompts over ``--max-prompt`` dropped); prompts with trace hashes get real token
+    ids made from them, so that shared prefixes are shared tokens on the GPU too."""
+    reqs = load_trace(args.trace, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
+                      start=args.start, hash_block_size=args.hash_block_size)
+    reqs = [r for r in reqs if args.max_prompt is None or r.prompt_len <= args.max_prompt]
+    if any(r.hash_ids is not None for r in reqs):
+        reqs = materialize_prompt_ids(reqs, vocab_size, seed=args.seed)
+    return reqs
 
 
 def main() -> None:
@@ -95,6 +102,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--start", type=int, default=0, help="skip this many trace rows first")
+    ap.add_argument("--max-prompt", type=int, default=None, help="leave out prompts longer than this")
+    ap.add_argument("--hash-block-size", type=int, default=512)
+    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                    help="run each policy with prefix caching on, off, or both")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="build the prefill attention plans before serving (GpuExecutor.warmup)")
     args = ap.parse_args()
@@ -116,7 +128,9 @@ def main() -> None:
     print(f"executor ready in {time.perf_counter() - t0:.1f} s: {ex.kv.num_blocks} KV blocks"
           + (f", {torch.cuda.get_device_name()}" if cuda else ""))
     report = {}
-    for policy in args.policy:
+    runs = [(p, c) for p in args.policy for c in ((True, False) if args.prefix_caching == "both"
+                                                  else (args.prefix_caching == "on",))]
+    for policy, caching in runs:
         cfg = SchedulerConfig(policy=policy, prefill_sms=args.prefill_sms, layers_per_step=args.layers_per_step
                               if policy != "chunked" else None, max_decode_steps=args.max_decode_steps)
         if cuda:
@@ -128,11 +142,11 @@ def main() -> None:
                 ex.capture("decode", gpu.num_sms - args.prefill_sms, buckets)
             torch.cuda.synchronize()
             print(f"{policy}: graphs captured in {time.perf_counter() - t0:.1f} s")
-        reqs = fresh(args)
+        reqs = fresh(args, spec.vocab_size)
         shift = ex.now() + 0.05  # the executor's clock started at its creation
         for r in reqs:
             r.arrival += shift
-        kv = BlockManager(ex.kv.num_blocks, ex.kv.block_size)
+        kv = BlockManager(ex.kv.num_blocks, ex.kv.block_size, caching)
         sched = make_scheduler(cfg, spec, gpu, kv, latency)
         results = []
         t0 = time.perf_counter()
@@ -143,10 +157,13 @@ def main() -> None:
         for res in results:
             busy[res.batch.lane] = busy.get(res.batch.lane, 0.0) + res.end - res.start
         real = summarize(done, slo, busy, request_columns(done, slo))
-        sim = simulate(fresh(args), spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks), slo, latency).summary
+        sim = simulate(fresh(args, spec.vocab_size), spec, gpu, cfg,
+                       CacheConfig(num_blocks=ex.kv.num_blocks, prefix_caching=caching), slo, latency).summary
+        real["prefix_cache_hit_rate"] = sched.hit_tokens / sched.query_tokens if sched.query_tokens else 0.0
+        name = f"{policy}, prefix caching {'on' if caching else 'off'}"
 
         rows = launch_errors(results, latency, spec.num_layers)
-        print(f"\n{policy}: {len(done)} requests served in {wall:.1f} s wall, {len(results)} launches; host time "
+        print(f"\n{name}: {len(done)} requests served in {wall:.1f} s wall, {len(results)} launches; host time "
               "in launch(): " + ", ".join(f"{k} {v:.1f} s" for k, v in timed.host.items())
               + "; GPU busy: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy.items()))
         print("latency model on the real launches: kind | launches | median measured ms | median error % | "
@@ -158,16 +175,17 @@ def main() -> None:
             print(f"  {kind} | {len(m)} | {np.median(m) * 1e3:.2f} | {np.median(err):+.1f} | "
                   f"{np.percentile(err, 10):+.1f} / {np.percentile(err, 90):+.1f}")
         print("metric | real | simulated | sim error %")
-        for name, r_v, s_v in (
+        for metric, r_v, s_v in (
                 ("TTFT mean ms", real["ttft_ms"]["mean"], sim["ttft_ms"]["mean"]),
                 ("TTFT p99 ms", real["ttft_ms"]["p99"], sim["ttft_ms"]["p99"]),
                 ("TPOT mean ms", real["tpot_ms"]["mean"], sim["tpot_ms"]["mean"]),
                 ("TPOT p99 ms", real["tpot_ms"]["p99"], sim["tpot_ms"]["p99"]),
                 ("E2E mean ms", real["e2e_ms"]["mean"], sim["e2e_ms"]["mean"]),
                 ("output tok/s", real["output_throughput"], sim["output_throughput"]),
-                ("duration s", real["duration_s"], sim["duration_s"])):
-            print(f"  {name} | {r_v:.1f} | {s_v:.1f} | {100 * (s_v - r_v) / r_v:+.1f}")
-        report[policy] = {"real": real, "sim": sim, "wall_s": wall,
+                ("duration s", real["duration_s"], sim["duration_s"]),
+                ("prefix hit %", 100 * real["prefix_cache_hit_rate"], 100 * sim["prefix_cache_hit_rate"])):
+            print(f"  {metric} | {r_v:.1f} | {s_v:.1f} | " + (f"{100 * (s_v - r_v) / r_v:+.1f}" if r_v else "-"))
+        report[name] = {"real": real, "sim": sim, "wall_s": wall,
                           "launches": [(k, t, q) for k, t, q in rows]}
     ex.close()
     if args.out:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..batch import Chunk
 from .kernels.decode_attention import paged_decode_attention
@@ -208,7 +209,7 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int | N
     if pad:  # padded rows go last: under the causal mask no real query sees them; their output is dropped
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
     # unexpanded KV heads (enable_gqa) measured faster on the H200 for the causal path; with a prefix the
-    # boolean mask runs on the memory-efficient kernel, which wants the heads expanded
+    # lower-right causal bias takes its own kernel call, which wants the heads expanded
     gqa = H != KVH and ctx is None and cfg.get("enable_gqa", True)
     if H != KVH and not gqa:
         k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
@@ -220,9 +221,9 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int | N
         kwargs["enable_gqa"] = True
     if ctx is None:
         kwargs["is_causal"] = True
-    else:  # new token j (at position ctx - n + j) sees keys 0 .. ctx - n + j
-        kwargs["attn_mask"] = (torch.arange(ctx, device=q.device)[None, :]
-                               <= torch.arange(ctx - n, ctx, device=q.device)[:, None])
+    else:  # new token j (at position ctx - n + j) sees keys 0 .. ctx - n + j: causal from the lower right,
+        # which SDPA runs on its flash or memory-efficient kernel without building an n x ctx mask
+        kwargs["attn_mask"] = causal_lower_right(n, ctx)
     if cfg.get("backends") and ctx is None:  # a backend list is for the causal path (no prefix)
         with sdpa_kernel(cfg["backends"]):
             o = F.scaled_dot_product_attention(qi, ki, vi, **kwargs)
