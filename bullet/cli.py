@@ -154,6 +154,76 @@ def simulate(
                           + (", latency.png, timeline.png" if plot else ""))
 
 
+def _gpu_short_name(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100'; the folder name of a profile."""
+    import re
+
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name.upper())
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Option(help="Model preset or a Hugging Face config.json / model folder.")]
+    = "llama-3.1-8b",
+    weights: Annotated[str, typer.Option(help="'dummy' (seeded random weights: timing does not depend on "
+                                              "values) or a folder of *.safetensors.")] = "dummy",
+    out: Annotated[Path | None, typer.Option(help="Profile folder (default: profiles/<gpu>/<model>/). An "
+                                                    "existing one is resumed: points already measured are "
+                                                    "skipped.")] = None,
+    quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (every other partition size, fewer "
+                                                               "lengths: ~5 min on an H200) or the full grid.")]
+    = True,
+    reps: Annotated[int, typer.Option(min=1, help="Timed runs per point (after one warm-up run); the median "
+                                                  "is kept.")] = 3,
+    device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), or 'cpu' to run the same code on the host "
+                                             "(tests; use --model tiny-llama).")] = "cuda",
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights and the KV "
+                                                               "pool.")] = 0.85,
+) -> None:
+    """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
+    size and write points.csv + metadata.json, the input of `bullet fit`."""
+    try:
+        spec = resolve_model(model)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    try:
+        import torch
+    except ImportError:
+        raise fail("bullet profile needs torch (pip install -e '.[gpu]')") from None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .gpu.executor import GpuExecutor
+    from .gpu.profile import run_profile
+
+    cpu = device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        raise fail("no CUDA device: run on a GPU machine, or use --device cpu --model tiny-llama to test")
+    gpu_name = "cpu" if cpu else _gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
+    out = out or Path("profiles") / gpu_name / spec.name
+    console = Console()
+    console.print(f"profiling {spec.name} ({weights} weights) on {gpu_name}, {'quick' if quick else 'full'} grid "
+                  f"-> {out}")
+    try:
+        ex = GpuExecutor(spec, weights, device, num_blocks=4096 if cpu else None,
+                         gpu_memory_utilization=gpu_memory_utilization)
+    except (ValueError, OSError, ConfigError) as e:
+        raise fail(f"cannot start the executor: {e}") from None
+    try:
+        ex.warmup()
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as bar:
+            task = bar.add_task("points", total=None)
+
+            def on_point(done: int, total: int, pid: str) -> None:
+                bar.update(task, completed=done, total=total, description=pid[:60])
+
+            measured, skipped = run_profile(ex, out, weights, quick, reps, on_point)
+    finally:
+        ex.close()
+    console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json")
+
+
 def print_summary(s: dict, console: Console) -> None:
     slo = s["slo"]
     ttft_slo = (f"{slo['ttft_per_token_ms']:g} ms/token" if slo["ttft_per_token_ms"] is not None

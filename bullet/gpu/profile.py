@@ -1,0 +1,446 @@
+"""``bullet profile``: measure what the executor really runs, through its own launch path, on every partition
+size of the menu, alone and next to the other lane, and write the points a latency model is fitted to.
+
+A point is one launch shape: a prefill (one or several chunks, fresh or after a cached prefix, all layers or a
+slice) on a prefill partition or the whole GPU; a run of fused decode steps from the decode graphs (batch size x
+context lengths, uniform or skewed) on a decode partition or the whole GPU; a mixed chunked-prefill step (decode
+rows plus a prompt chunk) on the whole GPU; and co-runs, a prefill on one partition while fused decode steps run on
+the complementary one, which give one point for each side with the other as its co-runner. Each is run once to
+warm up (graph capture, attention plans), then ``reps`` times; a row holds the median GPU time (CUDA events), the
+host time spent in ``GpuExecutor.launch``, and the launch's :class:`~bullet.perfmodel.Work` features.
+
+Output folder: ``points.csv`` (one row per point, appended and flushed as each is measured, so an interrupted
+profile keeps what it measured and a rerun skips it) and ``metadata.json`` (GPU, SMs, power limit, clocks,
+driver, CUDA, torch, Triton, bullet version and commit, date, grid). ``device="cpu"`` runs the same code on the
+host (tests; the tiny model), where lanes do not overlap.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..batch import Batch, Chunk, Partition, StepResult
+from ..config import ModelSpec, partition_sizes
+from ..kvcache import BlockManager
+from ..perfmodel import work_of
+
+PROFILE_VERSION = 1
+COLUMNS = ("id", "kind", "lane", "sms", "layers", "seqs", "tokens", "decode_seqs", "attn_pairs", "kv_read",
+           "max_ctx", "samples", "embed", "steps", "co_kind", "co_sms", "co_tokens", "co_seqs", "co_kv_read",
+           "co_attn_pairs", "co_layers", "overlap", "gpu_s", "first_s", "step_s", "host_s", "gpu_s_min",
+           "gpu_s_max", "reps")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What one launch computes: prefill chunks ``(new tokens, cached prefix)`` and decode rows (context each,
+    counting the new token); ``layers`` of the model (prefill slices); ``steps`` fused decode steps."""
+
+    prefill: tuple[tuple[int, int], ...] = ()
+    decode: tuple[int, ...] = ()
+    layers: int | None = None  # None: all
+    steps: int = 1
+
+    @property
+    def kind(self) -> str:
+        return "mixed" if self.prefill and self.decode else ("prefill" if self.prefill else "decode")
+
+    def key(self) -> str:
+        pre = "+".join(f"{n}@{p}" for n, p in self.prefill)
+        dec = _runs(self.decode)
+        return f"{self.kind}[{pre}|{dec}|L{self.layers or 'all'}|s{self.steps}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """A shape on a partition (``lane`` and its SM count), alone or next to ``co`` on ``co_sms`` SMs."""
+
+    shape: Shape
+    lane: str
+    sms: int
+    co: Shape | None = None
+    co_sms: int = 0
+
+    @property
+    def id(self) -> str:
+        co = f" || {self.co.key()}@{self.co_sms}" if self.co else ""
+        return f"{self.shape.key()}@{self.lane}{self.sms}{co}"
+
+
+def _runs(ctx: tuple[int, ...]) -> str:
+    """Run-length form of decode contexts: 64x1024 or 1x8192,63x512."""
+    if not ctx:
+        return ""
+    out, cur, n = [], ctx[0], 0
+    for c in ctx:
+        if c == cur:
+            n += 1
+        else:
+            out.append(f"{n}x{cur}")
+            cur, n = c, 1
+    out.append(f"{n}x{cur}")
+    return ",".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- the grid
+
+def grid(spec: ModelSpec, num_sms: int, granule: int, quick: bool, cpu: bool = False,
+         kv_tokens: int | None = None) -> list[Point]:
+    """Points to measure. The full grid covers every partition size of the menu on both lanes; ``quick``
+    every other one (16-SM steps). Solo points come first (co-runs size their decode stretch from them).
+    Decode batches whose KV would not fit ``kv_tokens`` are left out."""
+    if cpu:  # the tiny model on the host: the code paths, not the numbers
+        pre_sizes, dec_sizes, new, prefixes, batches, ctxs = [num_sms], [num_sms], [16, 64], [0, 32], [1, 4], [32]
+        co_pairs, co_new, co_batches, co_ctx = [(64, 68)], [64], [4], 32
+    else:
+        sizes = partition_sizes(num_sms, granule)
+        pre_sizes = sizes[::2] if quick else sizes
+        dec_sizes = [num_sms - p for p in pre_sizes]
+        new = [256, 1024, 4096, 8192] if quick else [128, 512, 1024, 2048, 4096, 8192]
+        prefixes = [0, 8192] if quick else [0, 2048, 8192, 16384]
+        batches = [1, 8, 32, 64, 128, 256] if quick else [1, 4, 8, 16, 32, 64, 96, 128, 192, 256]
+        ctxs = [512, 2048, 8192] if quick else [256, 1024, 2048, 4096, 8192]
+        co_pairs = [(p, num_sms - p) for p in ([64, 96] if quick else pre_sizes[::2])]
+        co_new, co_batches, co_ctx = [2048, 8192], [32, 128], 2048
+    pts: list[Point] = []
+    for lane, sizes in (("all", [num_sms]), ("prefill", pre_sizes if not cpu else [])):
+        for sms in sizes:
+            for n in new:
+                for p in prefixes:
+                    if n + p <= spec.max_position:
+                        pts.append(Point(Shape(((n, p),)), lane, sms))
+            if not cpu:  # several prompts in one launch, and a layer slice
+                pts.append(Point(Shape(((1024, 0),) * 4), lane, sms))
+                pts.append(Point(Shape(((256, 0),) * 16), lane, sms))
+                pts.append(Point(Shape(((4096, 0),), layers=max(1, spec.num_layers // 4)), lane, sms))
+    steps = 4 if cpu else 8
+    for lane, sizes in (("all", [num_sms]), ("decode", dec_sizes if not cpu else [])):
+        for sms in sizes:
+            for bs in batches:
+                shapes = [(c,) * bs for c in ctxs]
+                if bs >= 8:  # skewed: one long context among short ones
+                    shapes.append((max(ctxs),) + (min(ctxs),) * (bs - 1))
+                for ctx in shapes:
+                    if kv_tokens is None or sum(ctx) + 600 * bs <= 0.9 * kv_tokens:  # co-runs add steps
+                        pts.append(Point(Shape(decode=ctx, steps=steps), lane, sms))
+    for rows in ([2] if cpu else [16, 64, 128]):  # chunked prefill's mixed steps, whole GPU
+        for n in ([16] if cpu else [512, 2048, 8192 - rows]):
+            pts.append(Point(Shape(((n, 0),), decode=(min(ctxs[-1], 1024),) * rows), "all", num_sms))
+    for p, d in co_pairs:
+        for n in co_new:
+            for bs in co_batches:
+                dec = Shape(decode=(co_ctx,) * bs, steps=steps)
+                pre = Shape(((n, 0),))
+                pts.append(Point(pre, "prefill", p, dec, d))
+                pts.append(Point(dec, "decode", d, pre, p))
+    return pts
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+class Profiler:
+    """Runs points on a :class:`~bullet.gpu.executor.GpuExecutor`, with its own block tables."""
+
+    def __init__(self, executor, reps: int = 3) -> None:
+        self.ex, self.reps = executor, reps
+        self.spec: ModelSpec = executor.spec
+        self.kv = BlockManager(executor.kv.num_blocks, executor.kv.block_size)
+        self._rid = 1 << 40  # request ids of our own, far from any real ones
+        self.solo: dict[str, float] = {}  # id -> median GPU s (co-runs size the decode stretch from it)
+
+    def _chunks(self, shape: Shape, extra_steps: int) -> list[Chunk]:
+        rng = np.random.default_rng(len(self.solo))
+        vocab = self.spec.vocab_size
+        chunks = []
+        for ctx in shape.decode:  # decode rows first, as the executor orders them
+            rid = self._new_rid()
+            table = self.kv.allocate(rid, ctx + extra_steps)
+            chunks.append(Chunk(rid, ctx - 1, 1, table, True, (int(rng.integers(vocab)),)))
+        for n, prefix in shape.prefill:
+            rid = self._new_rid()
+            table = self.kv.allocate(rid, prefix + n + extra_steps)
+            ids = tuple(int(x) for x in rng.integers(0, vocab, n))
+            chunks.append(Chunk(rid, prefix, n, table, shape.layers is None, ids))
+        return chunks
+
+    def _new_rid(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def _release(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            self.kv.free(c.req_id)
+            self.ex.release(c.req_id)
+
+    def _batch(self, shape: Shape, lane: str, sms: int, chunks: list[Chunk], steps: int | None = None) -> Batch:
+        L = self.spec.num_layers
+        layers = range(shape.layers or L)
+        return Batch(Partition(lane, sms), layers, tuple(chunks), steps or shape.steps)  # type: ignore[arg-type]
+
+    def _launch(self, batch: Batch) -> float:
+        t = time.perf_counter()
+        self.ex.launch(batch)
+        return time.perf_counter() - t
+
+    def _drain(self) -> list[StepResult]:
+        out = []
+        while self.ex.busy("all") or self.ex.busy("prefill") or self.ex.busy("decode"):
+            out.extend(self.ex.wait(None))
+        return out
+
+    def measure(self, pt: Point) -> dict:
+        """Warm up, then ``reps`` runs; returns the CSV row."""
+        if pt.co is not None:
+            return self._measure_corun(pt)
+        runs = []
+        for rep in range(self.reps + 1):
+            chunks = self._chunks(pt.shape, pt.shape.steps)
+            batch = self._batch(pt.shape, pt.lane, pt.sms, chunks)
+            host = self._launch(batch)
+            (res,) = self._drain()
+            self._release(chunks)
+            if rep:  # the first run warms up (graph capture, attention plans)
+                runs.append((res, host))
+        row = self._row(pt, batch, runs)
+        self.solo[pt.id] = row["gpu_s"]
+        return row
+
+    def _measure_corun(self, pt: Point) -> dict:
+        """``pt.shape`` on its lane while ``pt.co`` runs on the other. A prefill is timed whole, inside a decode
+        stretch sized to outlast it; decode steps are timed while the prefill runs (steps inside its window)."""
+        pre_pt, dec_pt = (pt, Point(pt.co, "decode", pt.co_sms)) if pt.lane == "prefill" else \
+            (Point(pt.co, "prefill", pt.co_sms), Point(pt.shape, "decode", pt.sms))
+        pre_t = self.solo.get(Point(pre_pt.shape, "prefill", pre_pt.sms).id)
+        step_t = self.solo.get(Point(dec_pt.shape, "decode", dec_pt.sms).id)
+        steps = dec_pt.shape.steps
+        if pre_t is not None and step_t is not None:  # outlast the prefill, slowed by up to ~1.5x
+            steps = int(min(512, max(steps, np.ceil(1.6 * pre_t / (step_t / dec_pt.shape.steps)) + 2)))
+        runs, overlaps = [], []
+        for rep in range(self.reps + 1):
+            dchunks = self._chunks(dec_pt.shape, steps)
+            pchunks = self._chunks(pre_pt.shape, 1)
+            dbatch = self._batch(dec_pt.shape, "decode", dec_pt.sms, dchunks, steps)
+            pbatch = self._batch(pre_pt.shape, "prefill", pre_pt.sms, pchunks)
+            dhost = self._launch(dbatch)
+            phost = self._launch(pbatch)
+            res = {r.batch.lane: r for r in self._drain()}
+            self._release(dchunks + pchunks)
+            if not rep:
+                continue
+            d, p = res["decode"], res["prefill"]
+            ends = np.asarray(d.step_ends)
+            starts = np.concatenate(([d.start], ends[:-1]))
+            inside = (starts >= p.start) & (ends <= p.end)
+            overlap = max(0.0, min(d.end, p.end) - max(d.start, p.start)) / max(p.end - p.start, 1e-12)
+            overlaps.append(overlap)
+            if pt.lane == "prefill":
+                runs.append((p, phost))
+            else:  # the decode steps that ran entirely next to the prefill
+                step = float(np.median(ends[inside] - starts[inside])) if inside.any() else float("nan")
+                runs.append((_Steps(d, step, int(inside.sum())), dhost))
+        batch = pbatch if pt.lane == "prefill" else dbatch
+        row = self._row(pt, batch, runs)
+        row["overlap"] = float(np.median(overlaps))
+        return row
+
+    def _row(self, pt: Point, batch: Batch, runs: list) -> dict:
+        L = self.spec.num_layers
+        w = work_of(batch, L)
+        gpu = np.array([r.end - r.start for r, _ in runs])
+        first = np.array([r.step_ends[0] - r.start for r, _ in runs])
+        steps = batch.steps
+        if isinstance(runs[0][0], _Steps):
+            step = np.array([r.step for r, _ in runs])
+            steps = int(np.median([r.count for r, _ in runs]))
+        elif steps > 1:
+            step = np.array([(r.end - r.step_ends[0]) / (steps - 1) for r, _ in runs])
+        else:
+            step = gpu
+        shape = pt.shape
+        row = {
+            "id": pt.id, "kind": shape.kind, "lane": pt.lane, "sms": self._actual_sms(pt.lane, pt.sms),
+            "layers": w.num_layers, "seqs": w.seqs, "tokens": w.tokens, "decode_seqs": len(shape.decode),
+            "attn_pairs": w.attn_pairs, "kv_read": w.kv_read,
+            "max_ctx": max([c for c in shape.decode] + [n + p for n, p in shape.prefill]),
+            "samples": w.samples, "embed": int(w.embed), "steps": steps,
+            "co_kind": "", "co_sms": 0, "co_tokens": 0, "co_seqs": 0, "co_kv_read": 0, "co_attn_pairs": 0.0,
+            "co_layers": 0, "overlap": 0.0,
+            "gpu_s": float(np.median(gpu)), "first_s": float(np.median(first)),
+            "step_s": float(np.median(step[~np.isnan(step)])) if (~np.isnan(step)).any() else float("nan"),
+            "host_s": float(np.median([h for _, h in runs])), "gpu_s_min": float(gpu.min()),
+            "gpu_s_max": float(gpu.max()), "reps": len(runs),
+        }
+        if pt.co is not None:
+            co_chunks = [Chunk(0, c - 1, 1, (), True) for c in pt.co.decode] + \
+                [Chunk(0, p, n, (), pt.co.layers is None) for n, p in pt.co.prefill]
+            cw = work_of(Batch(Partition("all", pt.co_sms), range(pt.co.layers or L), tuple(co_chunks)), L)
+            row.update(co_kind=pt.co.kind, co_sms=self._actual_sms("decode" if pt.lane == "prefill" else "prefill",
+                                                                   pt.co_sms),
+                       co_tokens=cw.tokens, co_seqs=cw.seqs, co_kv_read=cw.kv_read, co_attn_pairs=cw.attn_pairs,
+                       co_layers=cw.num_layers)
+        return row
+
+    def _actual_sms(self, lane: str, sms: int) -> int:
+        menu = getattr(self.ex, "menu", None)
+        if menu is None:
+            return sms
+        return menu.side(lane, sms).num_sms
+
+
+@dataclass(slots=True)
+class _Steps:
+    """A decode launch's result reduced to the steps that ran next to the co-runner."""
+
+    res: StepResult
+    step: float
+    count: int
+
+    @property
+    def start(self) -> float:
+        return self.res.start
+
+    @property
+    def end(self) -> float:
+        return self.res.end
+
+    @property
+    def step_ends(self):
+        return self.res.step_ends
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def read_points(path: Path) -> list[dict]:
+    """The rows of a points.csv; a torn last line (an interrupted write) is dropped."""
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [r for r in rows if r.get("reps") not in (None, "")]
+
+
+def _append(path: Path, row: dict) -> None:
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerow({k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in row.items()})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def metadata(executor, spec: ModelSpec, weights: str, quick: bool, reps: int, points: int) -> dict:
+    """Where and with what the points were measured."""
+    import torch
+
+    meta = {"profile_version": PROFILE_VERSION, "model": spec.name, "model_spec": _spec_dict(spec),
+            "weights": weights, "grid": "quick" if quick else "full", "reps": reps, "points": points,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(), "bullet": _version(),
+            "commit": _commit(), "device": str(executor.device), "host": platform.node()}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    if executor.cuda:
+        props = torch.cuda.get_device_properties(executor.device)
+        meta.update(gpu=props.name, num_sms=props.multi_processor_count, memory_bytes=props.total_memory,
+                    cuda=torch.version.cuda, green_contexts=bool(executor.menu and executor.menu.green),
+                    partitions=executor.menu.describe() if executor.menu else [])
+        meta.update(_nvidia_smi())
+    else:
+        meta.update(gpu="cpu", num_sms=0)
+    return meta
+
+
+def _spec_dict(spec: ModelSpec) -> dict:
+    return {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate_size", "vocab_size", "dtype_bytes", "tp")}
+
+
+def _nvidia_smi() -> dict:
+    q = "driver_version,power.limit,clocks.max.sm,clocks.max.mem"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    driver, power, sm_clock, mem_clock = (x.strip() for x in out.split(","))
+    return {"driver": driver, "power_limit_w": float(power), "max_sm_clock_mhz": float(sm_clock),
+            "max_mem_clock_mhz": float(mem_clock)}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bullet")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
+                on_point: Callable[[int, int, str], None] | None = None) -> tuple[int, int]:
+    """Measure every point of the grid not already in ``out/points.csv``; returns (measured, skipped).
+    ``on_point(done, total, id)`` reports progress."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = executor.spec
+    cpu = not executor.cuda
+    num_sms = executor.menu.num_sms if executor.menu else 132
+    granule = executor.menu.granule if executor.menu else 8
+    pts = grid(spec, num_sms, granule, quick, cpu, executor.kv.num_blocks * executor.kv.block_size)
+    path = out / "points.csv"
+    have = {r["id"]: r for r in read_points(path)}
+    if have and path.exists():  # rewrite without a torn tail before appending
+        rows = list(have.values())
+        tmp = path.with_name(".points.csv.tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, path)
+    meta = metadata(executor, spec, weights, quick, reps, len(pts))
+    _write_json(out / "metadata.json", meta)
+    prof = Profiler(executor, reps)
+    for pid, row in have.items():  # co-runs size their stretches from earlier solo points
+        prof.solo[pid] = float(row["gpu_s"])
+    measured = skipped = 0
+    for i, pt in enumerate(pts):
+        if pt.id in have:
+            skipped += 1
+        else:
+            _append(path, prof.measure(pt))
+            measured += 1
+        if on_point is not None:
+            on_point(i + 1, len(pts), pt.id)
+    meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    _write_json(out / "metadata.json", meta)
+    return measured, skipped
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,68 @@
+"""`bullet profile --device cpu` on the tiny model: the same code path as on a GPU, end to end, writing a
+profile that can be resumed."""
+
+import csv
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from typer.testing import CliRunner
+
+from bullet.cli import _gpu_short_name, app
+from bullet.config import MODELS
+from bullet.gpu.profile import COLUMNS, grid, read_points
+
+
+def run(out):
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
+    out = tmp_path / "prof"
+    run(out)
+    rows = read_points(out / "points.csv")
+    ids = [p.id for p in grid(MODELS["tiny-llama"], 132, 8, True, cpu=True)]
+    assert [r["id"] for r in rows] == ids
+    assert list(rows[0]) == list(COLUMNS)
+    by = {r["id"]: r for r in rows}
+    # features by hand: 16 new tokens after a 32-token prefix: 16 * 32 + 16 * 17 / 2 = 648 query-key pairs,
+    # 48 KV tokens read; a decode launch of 4 rows at context 32: 4 tokens, 128 KV tokens, 4 fused steps
+    pre = by["prefill[16@32||Lall|s1]@all132"]
+    assert (int(pre["tokens"]), float(pre["attn_pairs"]), int(pre["kv_read"]), int(pre["samples"])) == (16, 648, 48, 1)
+    dec = by["decode[|4x32|Lall|s4]@all132"]
+    assert (int(dec["tokens"]), int(dec["seqs"]), int(dec["kv_read"]), int(dec["steps"])) == (4, 4, 128, 4)
+    co = [r for r in rows if r["co_kind"]]
+    assert {r["kind"] for r in co} == {"prefill", "decode"} and all(int(r["co_sms"]) > 0 for r in co)
+    for r in rows:
+        assert int(r["reps"]) == 3 and float(r["gpu_s"]) > 0 and float(r["host_s"]) > 0
+        assert float(r["gpu_s_min"]) <= float(r["gpu_s"]) <= float(r["gpu_s_max"])
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["model"] == "tiny-llama" and meta["grid"] == "quick" and meta["points"] == len(ids)
+    for key in ("date", "torch", "bullet", "commit", "gpu", "finished", "model_spec"):
+        assert key in meta
+    # an interrupted write leaves a torn last line: it is dropped and that point measured again
+    text = (out / "points.csv").read_text().splitlines(keepends=True)
+    (out / "points.csv").write_text("".join(text[:-1]) + text[-1][:20])
+    assert "measured 1 points (8 already there)" in run(out)
+    assert [r["id"] for r in read_points(out / "points.csv")] == ids
+    with (out / "points.csv").open() as f:
+        assert sum(1 for _ in csv.reader(f)) == len(ids) + 1
+
+
+def test_gpu_folder_names():
+    assert _gpu_short_name("NVIDIA H200") == "h200"
+    assert _gpu_short_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert _gpu_short_name("NVIDIA H100 80GB HBM3") == "h100"
+
+
+def test_profile_without_cuda_says_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    res = CliRunner().invoke(app, ["profile", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "no CUDA device" in res.output
