@@ -394,9 +394,17 @@ def _version() -> str:
 
 
 def _commit() -> str | None:
+    """The checkout's commit, with "+changes" when the tree differs from it (a copy of a working tree, as on
+    a lent GPU machine, can carry a stale .git: then the commit alone would misname the code measured)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=here,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
