@@ -2,7 +2,7 @@
 executor runs it (`bullet.gpu.attention._prefill_one` with `ctx` set: K/V of the whole context, heads
 expanded, causal from the lower right), against the dense boolean mask it used before. Llama-3.1-8B heads
 (32 query, 8 KV, dim 128), bf16. Each point is checked against a float32 reference on random data first, then
-timed with CUDA events after warm-up (median of 10). Prints a table.
+timed with CUDA events after warm-up (median of 20, `bench/gpu_kernels.timeit`). Prints a table.
 
     python3 bench/prefix_attention.py
 """
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_kernels import timeit
 from bullet.gpu.attention import _prefill_one
 
 H, KVH, D = 32, 8, 128
@@ -31,20 +32,6 @@ def dense_mask(q, k, v, ctx, scale):
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
-
-
-def timed(fn, reps=10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -63,8 +50,8 @@ def main() -> None:
         old = dense_mask(q, k, v, ctx, scale)
         err_new, err_old = ((x.float() - ref).abs().max().item() for x in (new, old))
         assert err_new < 0.05, f"lower-right causal attention is off by {err_new} at n={n}, ctx={ctx}"
-        t_old = timed(lambda q=q, k=k, v=v, ctx=ctx: dense_mask(q, k, v, ctx, scale))
-        t_new = timed(lambda q=q, k=k, v=v, ctx=ctx: _prefill_one(q, k, v, ctx, scale, {}))
+        t_old = timeit(lambda q=q, k=k, v=v, ctx=ctx: dense_mask(q, k, v, ctx, scale))
+        t_new = timeit(lambda q=q, k=k, v=v, ctx=ctx: _prefill_one(q, k, v, ctx, scale, {}))
         pairs = n * (ctx - n) + n * (n + 1) / 2  # query-key pairs under the causal-with-prefix mask
         flops = 4 * pairs * H * D
         print(f"{n} | {ctx} | {err_new:.4f} / {err_old:.4f} | {t_old * 1e3:.2f} | {t_new * 1e3:.2f} | "
