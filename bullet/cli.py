@@ -182,7 +182,7 @@ def profile(
                                                                "pool.")] = 0.85,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
-    size and write points.csv + metadata.json, the input of `bullet fit`."""
+    size and write points.csv + metadata.json: the measurements a fitted latency model is made from."""
     try:
         spec = resolve_model(model)
     except ConfigError as e:
