@@ -172,7 +172,7 @@ def profile(
                                                     "existing one is resumed: points already measured are "
                                                     "skipped.")] = None,
     quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (every other partition size, fewer "
-                                                               "lengths: ~5 min on an H200) or the full grid.")]
+                                                               "lengths: 225 s on an H200) or the full grid.")]
     = True,
     reps: Annotated[int, typer.Option(min=1, help="Timed runs per point (after one warm-up run); the median "
                                                   "is kept.")] = 3,
@@ -199,7 +199,10 @@ def profile(
     cpu = device == "cpu"
     if not cpu and not torch.cuda.is_available():
         raise fail("no CUDA device: run on a GPU machine, or use --device cpu --model tiny-llama to test")
-    gpu_name = "cpu" if cpu else _gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
+    try:
+        gpu_name = "cpu" if cpu else _gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
+    except (RuntimeError, AssertionError) as e:
+        raise fail(f"--device {device}: {e}") from None
     out = out or Path("profiles") / gpu_name / spec.name
     console = Console()
     console.print(f"profiling {spec.name} ({weights} weights) on {gpu_name}, {'quick' if quick else 'full'} grid "
@@ -219,6 +222,8 @@ def profile(
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point)
+    except OSError as e:
+        raise fail(f"{out}: cannot write the profile: {e.strerror or e}") from None
     finally:
         ex.close()
     console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json")

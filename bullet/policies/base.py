@@ -292,12 +292,9 @@ class Scheduler:
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
         """Reserve one step of KV for each request in priority order under rule 1; a request that cannot
-        get it waits this step."""
-        ok = []
-        for r in reqs:
-            if r.num_computed and self._reserve(r, r.num_computed + 1):
-                ok.append(r)
-        return [r for r in ok if r.num_computed > 0]
+        get it waits this step, and one evicted by a request ahead of it (num_computed 0) drops out. A request
+        that got its step is never evicted later in the loop: only requests behind it ask after it."""
+        return [r for r in reqs if r.num_computed and self._reserve(r, r.num_computed + 1)]
 
     def _kv_steps(self, spare: list[int], steps: int) -> int:
         """The most steps (<= ``steps``, >= 0) that every request can grow by within the free blocks;
