@@ -5,7 +5,9 @@ for that very batch) and (2) the run's metrics side by side.
     PYTHONPATH=. python3 bench/sim_vs_real.py [--policy chunked static-split] [--num-requests 200] [--rate 5]
     python3 bench/sim_vs_real.py --device cpu --model tiny-llama --num-requests 20   # smoke test of the script
 
-Dummy weights (seeded random), synthetic prompt ids, every request generates exactly its trace output length.
+Dummy weights (seeded random), every request generates exactly its trace output length. Prompt ids are
+synthetic (per request) unless the trace has prompt hashes: then they are made from the hashes
+(`materialize_prompt_ids`), so prompts that share hashed blocks share tokens and the prefix cache can hit.
 """
 
 from __future__ import annotations
