@@ -23,6 +23,7 @@ class Work(NamedTuple):
     kv_read: int  # KV tokens each layer reads: sum of (start + num_tokens)
     samples: int  # rows through the LM head and sampler (0 unless the slice reaches the last layer)
     embed: bool  # the slice starts at layer 0 (embedding lookup)
+    max_kv: int = 0  # the longest chunk's KV (start + num_tokens): skewed decode batches wait on it; 0 = unknown
 
 
 def work_of(batch: Batch, total_layers: int) -> Work:
@@ -31,12 +32,14 @@ def work_of(batch: Batch, total_layers: int) -> Work:
     _, starts, lens, _, sample, _, _ = zip(*chunks) if chunks else ((),) * 7
     tokens = sum(lens)
     kv = sum(starts) + tokens
+    max_kv = max(s + n for s, n in zip(starts, lens)) if chunks else 0
     if tokens == seqs:  # one token each (decode)
         pairs = float(kv)
     else:
         pairs = float(sum(n * s + n * (n + 1) / 2 for s, n in zip(starts, lens)))
     last = batch.layers.stop == total_layers
-    return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0)
+    return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0,
+                max_kv)
 
 
 class LatencyModel(Protocol):
@@ -48,7 +51,7 @@ class LatencyModel(Protocol):
     def decode_steps(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
                      co_sms: int = 0) -> np.ndarray:
         """Seconds of each of ``steps`` fused decode steps; every sequence grows by one token a step,
-        so step i reads ``work.kv_read + i * work.seqs`` KV tokens."""
+        so step i reads ``work.kv_read + i * work.seqs`` KV tokens (the longest ``work.max_kv + i``)."""
 
 
 def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
@@ -62,7 +65,7 @@ def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co:
         return np.array([t0])
     n = first.seqs
     kv = first.kv_read + n
-    tail = Work(first.num_layers, n, n, float(kv), kv, n, True)
+    tail = Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
     return np.concatenate(([t0], latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)))
 
 

@@ -254,13 +254,15 @@ class Scheduler:
         tables = kv.tables
         extra = self.cfg.max_decode_steps - 1  # decode steps after the first
         spare = []  # tokens that still fit in each request's blocks after the first step
-        tokens = kv_end = 0
+        tokens = kv_end = max_kv = 0
         pairs = 0.0
         for c, r in zip(chunks, reqs):
             n, end = c.num_tokens, c.start + c.num_tokens
             spare.append(len(tables[r.id]) * bs - end)
             tokens += n
             kv_end += end
+            if end > max_kv:
+                max_kv = end
             pairs += n * c.start + n * (n + 1) / 2  # as work_of() sums it
             left = r.max_new_tokens - r.num_output - 1
             if left < extra:  # noqa: PLR1730 -- an if beats a min() call in this per-request hot loop
@@ -269,7 +271,7 @@ class Scheduler:
             extra = self._kv_steps(spare, extra)
         if extra > 0 and horizon is not None:
             n = len(chunks)
-            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True)  # == work_of(first step)
+            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max_kv)  # == work_of(first step)
             cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
             # steps that start before the horizon run (the one crossing it included, as unfused steps do)
             extra = min(extra, int(np.searchsorted(cum, horizon - now, side="left")))
