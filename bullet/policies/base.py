@@ -261,8 +261,7 @@ class Scheduler:
             spare.append(len(tables[r.id]) * bs - end)
             tokens += n
             kv_end += end
-            if end > max_kv:
-                max_kv = end
+            max_kv = max(max_kv, end)
             pairs += n * c.start + n * (n + 1) / 2  # as work_of() sums it
             left = r.max_new_tokens - r.num_output - 1
             if left < extra:  # noqa: PLR1730 -- an if beats a min() call in this per-request hot loop
