@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--sms", default="36,52,68", help="decode-side SM counts from the menu (plus the whole GPU)")
+    ap.add_argument("--sms", default="40,56,72", help="decode-side SM counts from the menu (plus the whole GPU)")
     ap.add_argument("--quick", action="store_true", help="a smaller option sweep")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -68,7 +68,7 @@ def main() -> None:
     menu = PartitionMenu.create()
     sides = [("whole", menu.full.stream, menu.num_sms)]
     for d in (int(s) for s in args.sms.split(",") if s):
-        side = menu.pair_for_decode(d).decode
+        side = menu.side("decode", d)
         sides.append((f"d{side.num_sms}", side.stream, side.num_sms))
 
     # pools: one layer, both layouts (logical [blocks, page, KVH, D])

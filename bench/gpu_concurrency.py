@@ -213,8 +213,7 @@ def main() -> None:
             pp, dp = Partition("prefill", full_sms), Partition("decode", full_sms)
             label = "naive"
         else:
-            pair = menu.pair(p)
-            pp, dp = Partition("prefill", pair.prefill.num_sms), Partition("decode", pair.decode.num_sms)
+            pp, dp = Partition("prefill", p), Partition("decode", full_sms - p)  # a complementary nested pair
             label = f"{pp.num_sms}/{dp.num_sms}"
         ex.capture("decode", dp.num_sms, [B])
         prefill_alone(pp)  # warm this stream
@@ -244,7 +243,7 @@ def main() -> None:
               f"ratio {row['ratio']:.3f} {' '.join(f'{x:.3f}' for x in row['ratios'])}", flush=True)
         return row
 
-    sizes = [int(s) for s in args.pairs.split(",") if s] or sorted(menu.pairs)
+    sizes = [int(s) for s in args.pairs.split(",") if s] or [n for n in menu.prefill if n < full_sms]
     rows = []
     for p in sizes + ["naive"]:
         try:
@@ -257,7 +256,7 @@ def main() -> None:
     print(f"{spec.name}, dummy weights, {gpu_name}, torch {torch.__version__}; "
           f"prefill {args.prefill_tokens} tokens in slices of {step} layers; decode {B} x {args.context} "
           f"context, {S} steps per launch (graphs per partition)")
-    print(f"partition menu: {len(menu.pairs)} pairs, green={menu.green}, {menu.memory_bytes / 2**20:.0f} MiB of "
+    print(f"partition menu: {menu.describe()}, green={menu.green}, {menu.memory_bytes / 2**20:.0f} MiB of "
           f"device memory, made in {t_menu:.2f} s")
     print(f"whole GPU alone: prefill {t_pf_full * 1e3:.1f} ms, decode step {t_dec_full * 1e3:.2f} ms")
     energy = e_pf_full is not None

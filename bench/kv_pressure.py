@@ -42,7 +42,7 @@ def run(policy: str, rows, blocks: int, budget: int) -> tuple[float, int, int]:
     sched = make_scheduler(SchedulerConfig(policy=policy, max_batched_tokens=budget, **POLICIES[policy]), MODEL,
                            GPU, BlockManager(blocks, 16), latency)
     reqs = [Request(i, t, p, o) for i, (t, p, o) in enumerate(rows)]
-    done = serve(reqs, sched, SimExecutor(latency, MODEL.num_layers))
+    done = serve(reqs, sched, SimExecutor(latency, MODEL.num_layers, GPU))
     return (max(r.finish_time for r in done) - rows[0][0], sched.num_preemptions,
             max(r.num_preemptions for r in done))
 

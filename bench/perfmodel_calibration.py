@@ -143,7 +143,7 @@ def table(m: RooflineModel) -> str:
 
 def timing(m: RooflineModel) -> str:
     wp = prefill(4096)
-    menu = np.array(GPU.partition_sizes())
+    menu = np.array(GPU.prefill_sizes[:-1])
     cases = [("predict (decode, alone)", lambda: m.predict(DECODE, 36)),
              ("predict (prefill next to decode)", lambda: m.predict(wp, 96, DECODE, 36)),
              ("decode_steps(steps=20, next to prefill)", lambda: m.decode_steps(DECODE, 20, 36, wp, 96)),

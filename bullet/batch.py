@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
 
+from .config import PartitionError, check_corun
 from .request import GREEDY, SamplingParams
 
 Lane = Literal["prefill", "decode", "all"]
@@ -79,3 +80,20 @@ class Executor(Protocol):
 
     def busy(self, lane: Lane) -> bool:
         """A batch is in flight on ``lane``."""
+
+
+def check_launch(batch: Batch, running: Iterable[Batch], sizes: Mapping[Lane, Collection[int]], num_sms: int) -> None:
+    """The partition rule both executors enforce before a launch (PartitionError otherwise): ``batch`` asks
+    for a size its lane's menu has (``sizes``), exactly; lane "all" runs alone; a prefill and a decode
+    launch in flight together are disjoint (:func:`~bullet.config.check_corun`)."""
+    part = batch.partition
+    if part.num_sms not in sizes[part.lane]:
+        raise PartitionError(f"no {part.lane} partition of {part.num_sms} SMs: the menu has "
+                             f"{', '.join(map(str, sizes[part.lane]))}")
+    for other in running:
+        o = other.partition
+        if "all" in (part.lane, o.lane):
+            raise PartitionError(f"a {part.lane} launch cannot run next to a {o.lane} launch: lane 'all' "
+                                 "holds the whole GPU")
+        pre, dec = (part, o) if part.lane == "prefill" else (o, part)
+        check_corun(pre.num_sms, dec.num_sms, num_sms)

@@ -59,9 +59,10 @@ def simulate(
     max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
     max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step: the chunk size of "
                                                          "chunked prefill / prefill-first.")] = 8192,
-    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition (a "
-                                                  "multiple of the GPU's granule); decode gets the rest.")]
-    = 96,
+    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition, a prefill "
+                                                  "size of the GPU's nested menu (H200: 20, 28, ..., 124); "
+                                                  "decode gets the rest.")]
+    = 92,
     layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per "
                                                                "launch (default: all).")] = None,
     block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,

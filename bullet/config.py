@@ -203,6 +203,7 @@ class GpuSpec:
     name: str
     num_sms: int
     sm_granule: int  # green-context partitions come in multiples of this many SMs
+    sm_remainder: int  # SMs left over when the driver splits the device into granule groups (nested_sizes)
     peak_flops: float  # dense bf16, datasheet
     hbm_bandwidth: float  # bytes/s, datasheet
     memory_bytes: int
@@ -212,6 +213,9 @@ class GpuSpec:
 
     def __post_init__(self) -> None:
         _positive(self, "num_sms", "sm_granule", "peak_flops", "hbm_bandwidth", "memory_bytes", "l2_bytes")
+        if self.sm_remainder < 0:
+            raise ConfigError("GpuSpec.sm_remainder must be >= 0")
+        nested_sizes(self.num_sms, self.sm_granule, self.sm_remainder)  # validates the split
 
     @property
     def flops(self) -> float:
@@ -222,27 +226,61 @@ class GpuSpec:
     def bandwidth(self) -> float:
         return self.copy_bandwidth_measured or self.hbm_bandwidth
 
-    def partition_sizes(self) -> list[int]:
-        """Prefill-side SM counts of the partition menu (see :func:`partition_sizes`)."""
-        return partition_sizes(self.num_sms, self.sm_granule)
+    @property
+    def prefill_sizes(self) -> tuple[int, ...]:
+        """SM counts a prefill launch may ask for (see :func:`nested_sizes`)."""
+        return nested_sizes(self.num_sms, self.sm_granule, self.sm_remainder)[0]
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """SM counts a decode launch may ask for (see :func:`nested_sizes`)."""
+        return nested_sizes(self.num_sms, self.sm_granule, self.sm_remainder)[1]
 
 
-def partition_sizes(num_sms: int, granule: int) -> list[int]:
-    """Prefill-side SM counts of the disjoint (prefill, decode) pairs we use: granule steps leaving at least
-    two granules to each side. The driver gives slimmer halves (8 + 124, 120 + 12 on an H200), but cuBLAS
-    failed on a 12-SM partition there (CUBLAS_STATUS_EXECUTION_FAILED), and such slivers do little work."""
-    return list(range(2 * granule, num_sms - 2 * granule + 1, granule))
+def nested_sizes(num_sms: int, granule: int, remainder: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The nested partition menu: ``(prefill sizes, decode sizes)``, each ascending and ending with the whole
+    GPU. The device is split once into ``G`` groups of ``granule`` SMs plus ``remainder`` SMs; a prefill
+    partition is the remainder plus groups taken from one end (``remainder + granule * k``), a decode
+    partition groups from the other end (``granule * j``), ``1 <= k, j < G``. So any prefill size ``p`` and
+    decode size ``d`` with ``p + d <= num_sms`` are disjoint (:func:`check_corun`). The remainder goes to
+    prefill: skinny decode GEMMs gain nothing from it, big prefill GEMMs do (BACKGROUND.md, measured on the
+    H200), and alone it is too small to be worth a context (cuBLAS failed on the H200's 12-SM remainder).
+    The whole GPU (``num_sms``) is an ordinary stream, not a green context."""
+    groups = (num_sms - remainder) // granule
+    if groups < 2 or remainder + groups * granule != num_sms:
+        raise ConfigError(f"{num_sms} SMs do not split into groups of {granule} plus a {remainder}-SM remainder")
+    prefill = tuple(remainder + granule * k for k in range(1, groups)) + (num_sms,)
+    decode = tuple(granule * j for j in range(1, groups)) + (num_sms,)
+    return prefill, decode
+
+
+class PartitionError(ValueError):
+    """A launch asked for a partition the menu does not have, or one that overlaps the other lane's."""
+
+
+def check_corun(prefill_sms: int, decode_sms: int, num_sms: int) -> None:
+    """Two launches may run at once on the nested menu only if their partitions are disjoint:
+    ``prefill_sms + decode_sms <= num_sms``, or both lanes on the whole GPU (naive concurrency: two ordinary
+    streams that the hardware scheduler shares out). Anything else would share SMs unknowingly."""
+    if prefill_sms + decode_sms <= num_sms or prefill_sms == decode_sms == num_sms:
+        return
+    raise PartitionError(f"prefill on {prefill_sms} SMs and decode on {decode_sms} SMs overlap on a "
+                         f"{num_sms}-SM GPU: disjoint partitions need prefill + decode <= {num_sms} (or both "
+                         f"lanes on the whole GPU)")
 
 
 GB = 10**9
 GPUS: dict[str, GpuSpec] = {
     # H200 SXM: datasheet 989 TFLOP/s dense bf16, 4.8 TB/s, 141 GB; measured on our H200 (BACKGROUND.md):
     # 791 TFLOP/s 8192^3 bf16 GEMM, ~4.3 TB/s device copy, 8-SM green-context granule, 60 MB L2.
-    "h200": GpuSpec("h200", 132, 8, 989e12, 4.8e12, 141 * GB, 60 * 2**20, 791e12, 4.3e12),
-    # H100 SXM 80 GB: datasheet figures only; granule 8 per CUDA's green-context rules for compute 9.0.
-    "h100": GpuSpec("h100", 132, 8, 989e12, 3.35e12, 80 * GB, 50 * 2**20),
-    # A100 SXM 80 GB: datasheet; compute 8.x green contexts split in steps of 2 SMs (minimum 4).
-    "a100": GpuSpec("a100", 108, 2, 312e12, 2.039e12, 80 * GB, 40 * 2**20),
+    # Its driver splits the 132 SMs into 15 groups of 8 plus a 12-SM remainder (measured, driver 580).
+    "h200": GpuSpec("h200", 132, 8, 12, 989e12, 4.8e12, 141 * GB, 60 * 2**20, 791e12, 4.3e12),
+    # H100 SXM 80 GB: datasheet figures only; granule 8 per CUDA's green-context rules for compute 9.0; the
+    # 15 x 8 + 12 split is assumed from the H200, whose GH100 die has the same 132-SM configuration.
+    "h100": GpuSpec("h100", 132, 8, 12, 989e12, 3.35e12, 80 * GB, 50 * 2**20),
+    # A100 SXM 80 GB: datasheet; compute 8.x green contexts split in steps of 2 SMs (minimum 4); 108 SMs
+    # assumed to split into 54 pairs with no remainder (not measured).
+    "a100": GpuSpec("a100", 108, 2, 0, 312e12, 2.039e12, 80 * GB, 40 * 2**20),
 }
 
 
@@ -306,7 +344,7 @@ class SchedulerConfig:
     policy: PolicyName = "chunked"
     max_num_seqs: int = 256  # running requests at most
     max_batched_tokens: int = 8192  # token budget of one step (the chunk size for prefill-first)
-    prefill_sms: int = 96  # static-split: SMs of the prefill lane; decode gets the rest
+    prefill_sms: int = 92  # static-split: SMs of the prefill lane (the nested menu's); decode gets the rest
     layers_per_step: int | None = None  # split lanes: prefill layers per launch (None: all)
     max_decode_steps: int = 1 << 30  # cap on decode steps fused into one launch (between events)
 

@@ -1,4 +1,5 @@
-"""SimExecutor: the Executor protocol on a simpy clock. A launch ends at ``now + predicted time``, where
+"""SimExecutor: the Executor protocol on a simpy clock. A launch must ask for a partition of the GPU's nested
+menu that is disjoint from the other lane's (``check_launch``: the same rule as the GpuExecutor's). A launch ends at ``now + predicted time``, where
 the prediction accounts for what co-runs on the other lane; when the co-runner changes mid-flight, the
 remaining work is re-timed at the new rate (progress is conserved), so contention is modelled both ways.
 """
@@ -10,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from bullet.batch import Batch, Lane, StepResult
+from bullet.batch import Batch, Lane, StepResult, check_launch
+from bullet.config import GpuSpec
 from bullet.perfmodel import LatencyModel, Work, work_of
 from bullet.perfmodel.base import step_times
 
@@ -31,8 +33,11 @@ class _Flight:
 
 
 class SimExecutor:
-    def __init__(self, latency: LatencyModel, num_layers: int) -> None:
+    def __init__(self, latency: LatencyModel, num_layers: int, gpu: GpuSpec) -> None:
         self.env = simpy.Environment()
+        self.num_sms = gpu.num_sms
+        self.sizes = {"prefill": frozenset(gpu.prefill_sizes), "decode": frozenset(gpu.decode_sizes),
+                      "all": frozenset((gpu.num_sms,))}
         self.latency = latency
         self.num_layers = num_layers
         self._flights: dict[Lane, _Flight] = {}
@@ -49,6 +54,7 @@ class SimExecutor:
         lane = batch.partition.lane
         if lane in self._flights:
             raise RuntimeError(f"lane {lane!r} already has a batch in flight")
+        check_launch(batch, (f.batch for f in self._flights.values()), self.sizes, self.num_sms)
         now = self.env.now
         work = work_of(batch, self.num_layers)
         self._flights[lane] = _Flight(batch, work, now, None, mark=now)

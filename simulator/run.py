@@ -49,7 +49,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     gc_was_on = gc.isenabled()
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing
     try:
-        done = serve(requests, scheduler, SimExecutor(latency, model.num_layers), on_step=timeline.on_step,
+        done = serve(requests, scheduler, SimExecutor(latency, model.num_layers, gpu), on_step=timeline.on_step,
                      on_finish=on_finish)
     finally:
         if gc_was_on:

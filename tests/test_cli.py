@@ -47,7 +47,7 @@ def test_simulate_json(policy):
     (["--model", "gpt-5"], "unknown model"),
     (["--gpu", "b300"], "unknown GPU"),
     (["--trace", "no-such-trace"], "no-such-trace"),
-    (["--policy", "static-split", "--prefill-sms", "100"], "granule"),
+    (["--policy", "static-split", "--prefill-sms", "96"], "not a prefill size"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive number"),
     (["--slo-tpot", "-1"], "--slo-tpot must be a positive number of milliseconds"),
 ])

@@ -250,7 +250,7 @@ def test_seeded_sampling_is_deterministic(weights):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy,cfg", [
-    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 64}),
+    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 68}),
     ("chunked", {"max_batched_tokens": 16}),
 ])
 def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg):
@@ -270,7 +270,7 @@ def test_gpu_prefix_cache_hits_match_reference(weights, gpu_menu):
         w1, w2, hits = shared_prefix_waves()
         done, _steps, ex = run_serve(weights, None, "static-split", device="cuda", dtype=torch.float32,
                                      menu=gpu_menu, prefix_caching=flag, waves=[w1, w2], max_batched_tokens=32,
-                                     layers_per_step=1, prefill_sms=64)
+                                     layers_per_step=1, prefill_sms=68)
         check_against_reference(weights, done, w1 + w2)
         assert ex.sched.hit_tokens == (hits if flag else 0)
         outs[flag] = {r.id: r.output_ids for r in done}

@@ -1,65 +1,183 @@
-"""The green-context partition menu: the CPU fallback everywhere; on a GPU, disjoint pairs with SM counts
-read back, the memory the menu costs, and that a partition really limits a kernel's SMs."""
+"""The nested green-context partition menu: the sizes rule and the legality rule (CPU, both executors); on a GPU,
+the menu's SM counts read back, the memory it costs, that a partition really limits a kernel's SMs, and (from
+%smid read inside kernels) that every legal prefill/decode pair uses disjoint SMs."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from bullet.batch import Batch, Chunk, Partition
+from bullet.config import GPUS, MODELS, ConfigError, PartitionError, check_corun, nested_sizes
 
-from bullet.gpu.partitions import PartitionMenu
+H200 = GPUS["h200"]
+
+
+def test_nested_sizes_h200_by_hand():
+    pre, dec = nested_sizes(132, 8, 12)  # 15 groups of 8 plus 12 (measured split, BACKGROUND.md)
+    assert pre == (20, 28, 36, 44, 52, 60, 68, 76, 84, 92, 100, 108, 116, 124, 132)
+    assert dec == (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 132)
+    assert (H200.prefill_sizes, H200.decode_sizes) == (pre, dec)
+    assert nested_sizes(108, 2, 0)[0][:3] == (2, 4, 6)
+    with pytest.raises(ConfigError, match="do not split"):
+        nested_sizes(130, 8, 4)
+
+
+@pytest.mark.parametrize("p, d, ok", [(124, 8, True), (20, 112, True), (92, 40, True), (100, 40, False),
+                                      (132, 132, True), (132, 8, False), (20, 132, False), (68, 64, True)])
+def test_corun_rule(p, d, ok):
+    if ok:
+        check_corun(p, d, 132)
+    else:
+        with pytest.raises(PartitionError, match="overlap"):
+            check_corun(p, d, 132)
+
+
+def _batch(lane, sms):
+    return Batch(Partition(lane, sms), range(32), (Chunk(0, 0, 4, [0], True),))
+
+
+def test_simulator_enforces_the_menu():
+    from simulator import SimExecutor
+    from tests.latency import LinearLatency
+
+    ex = SimExecutor(LinearLatency(32), 32, H200)
+    with pytest.raises(PartitionError, match="no prefill partition of 96 SMs"):
+        ex.launch(_batch("prefill", 96))
+    ex.launch(_batch("prefill", 100))
+    with pytest.raises(PartitionError, match="overlap"):
+        ex.launch(_batch("decode", 40))
+    ex.launch(_batch("decode", 32))  # 100 + 32 = 132: disjoint
+    assert ex.busy("prefill") and ex.busy("decode")
+    ex2 = SimExecutor(LinearLatency(32), 32, H200)
+    ex2.launch(_batch("all", 132))
+    with pytest.raises(PartitionError, match="lane 'all'"):
+        ex2.launch(_batch("decode", 8))
+
+
+
+def test_gpu_executor_enforces_the_menu_on_cpu():
+    torch = pytest.importorskip("torch")
+    from bullet.gpu.executor import GpuExecutor
+    from bullet.gpu.partitions import PartitionMenu
+
+    menu = PartitionMenu.fallback()  # the H200's sizes, no streams
+    ex = GpuExecutor(MODELS["tiny-llama"], "dummy", "cpu", num_blocks=16, menu=menu, dtype=torch.float32)
+    with pytest.raises(PartitionError, match="no decode partition of 36 SMs"):
+        ex.launch(Batch(Partition("decode", 36), range(2), (Chunk(1, 0, 1, [0], True, (5,)),)))
+    ex.launch(Batch(Partition("prefill", 124), range(2), (Chunk(1, 0, 4, [0], True, (1, 2, 3, 4)),)))
+    with pytest.raises(PartitionError, match="overlap"):
+        ex.launch(Batch(Partition("decode", 16), range(2), (Chunk(2, 0, 1, [1], True, (5,)),)))
+    ex.close()
 
 
 def test_fallback_without_green_contexts(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from bullet.gpu.partitions import PartitionMenu
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         menu = PartitionMenu.create()
     assert len([w for w in caught if "green contexts unavailable" in str(w.message)]) == 1
     assert not menu.green and menu.memory_bytes == 0
-    assert menu.pairs
-    _pre, _dec, sms = menu.streams(8)
-    assert sms == menu.num_sms  # no partition: each stream sees the whole device
-    # lane mapping works the same (streams are None without CUDA)
+    assert tuple(menu.prefill) == H200.prefill_sizes and tuple(menu.decode) == H200.decode_sizes
     assert menu.side("all", 132) is menu.full
-    assert menu.side("prefill", 10_000) is menu.naive[0] and menu.side("decode", 10_000) is menu.naive[1]
+    assert menu.side("prefill", 20) is menu.naive[0] and menu.side("decode", 112) is menu.naive[1]
+    with pytest.raises(PartitionError, match="no prefill partition of 96"):
+        menu.side("prefill", 96)
     menu.close()
     menu.close()  # idempotent
 
 
+# ------------------------------------------------------------------------------------------------ on a GPU
+
 @pytest.fixture
 def menu(gpu_menu):
+    if not gpu_menu.green:
+        pytest.skip("green contexts unavailable on this driver")
     return gpu_menu
 
 
 @pytest.mark.gpu
-def test_menu_pairs_are_disjoint_and_read_back(menu):
+def test_menu_sizes_read_back(menu):
+    import torch
+
     props = torch.cuda.get_device_properties(0)
-    if not menu.green:
-        pytest.skip("green contexts unavailable on this driver")
     assert menu.num_sms == props.multi_processor_count
-    sizes = menu.describe()
-    assert len(sizes) >= 8
-    for requested, p, d in sizes:
-        assert p >= requested and p % menu.granule == 0
-        assert p + d == menu.num_sms  # one split: group + remainder cover the device exactly once
-        pair = menu.pair(p)
-        assert pair.prefill.stream.cuda_stream != pair.decode.stream.cuda_stream
-        assert menu.side("prefill", p) is pair.prefill and menu.side("decode", d) is pair.decode
-    streams = {s.stream.cuda_stream for pair in menu.pairs.values() for s in (pair.prefill, pair.decode)}
-    assert len(streams) == 2 * len(menu.pairs)
-    print(f"menu: {len(sizes)} pairs, {menu.memory_bytes / 2**20:.0f} MiB")
+    pre, dec = nested_sizes(menu.num_sms, menu.granule, menu.remainder)
+    assert tuple(menu.prefill) == pre and tuple(menu.decode) == dec
+    for lane, sides in (("prefill", menu.prefill), ("decode", menu.decode)):
+        for sms, side in sides.items():
+            assert side.num_sms == sms and menu.side(lane, sms) is side
+    streams = {s.stream.cuda_stream for s in [*menu.prefill.values(), *menu.decode.values()]}
+    assert len(streams) == len(menu.prefill) + len(menu.decode) - 2 + 2  # naive streams appear once each
+    print(f"menu: {len(menu.prefill)} prefill + {len(menu.decode)} decode sizes, remainder {menu.remainder}, "
+          f"{menu.memory_bytes / 2**20:.0f} MiB")
     assert 0 <= menu.memory_bytes < 2 << 30
+
+
+def _smids(stream, blocks: int = 2048):
+    """The SM each of ``blocks`` thread blocks ran on, read from %smid in a Triton kernel on ``stream``."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def smid_kernel(out_ptr, spin):
+        pid = tl.program_id(0)
+        acc = tl.zeros((1,), tl.float32)
+        for i in range(spin):  # keep the block resident a little, so blocks spread over every SM
+            acc += i
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + pid, sm + (acc * 0).to(tl.int32))
+
+    out = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
+    with torch.cuda.stream(stream):
+        smid_kernel[(blocks,)](out, 2000)
+    stream.synchronize()
+    return set(out.tolist())
+
+
+@pytest.mark.gpu
+def test_every_legal_pair_is_disjoint_by_smid(menu):
+    """Each partition's kernels run on exactly its SM count; prefill partitions nest, decode partitions nest,
+    and for every legal pair (p + d <= N) the SMs are disjoint, also while both lanes run at once."""
+    used = {("prefill", n): _smids(s.stream) for n, s in menu.prefill.items() if n < menu.num_sms}
+    used |= {("decode", n): _smids(s.stream) for n, s in menu.decode.items() if n < menu.num_sms}
+    for (_, n), sms in used.items():
+        assert len(sms) == n and -1 not in sms
+    pre = sorted(n for lane, n in used if lane == "prefill")
+    dec = sorted(n for lane, n in used if lane == "decode")
+    for a, b in itertools.pairwise(pre):
+        assert used["prefill", a] < used["prefill", b]
+    for a, b in itertools.pairwise(dec):
+        assert used["decode", a] < used["decode", b]
+    pairs = [(p, d) for p in pre for d in dec if p + d <= menu.num_sms]
+    for p, d in pairs:
+        assert not used["prefill", p] & used["decode", d], (p, d)
+    assert len(pairs) == len(pre) * (len(pre) + 1) // 2
+    # one pair at once: the sets seen while co-running are the same
+    p, d = pre[len(pre) // 2], menu.num_sms - pre[len(pre) // 2]
+    import threading
+
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("d", _smids(menu.decode[d].stream, 8192)))
+    t.start()
+    got["p"] = _smids(menu.prefill[p].stream, 8192)
+    t.join()
+    assert got["p"] == used["prefill", p] and got["d"] == used["decode", d]
+    print(f"{len(pairs)} legal pairs checked disjoint")
 
 
 @pytest.mark.gpu
 def test_partition_limits_sms(menu):
-    """An 8192^3 GEMM on a 32-SM partition is several times slower than on the whole GPU, and the other
-    half of the pair computes the same product."""
-    if not menu.green:
-        pytest.skip("green contexts unavailable on this driver")
+    """An 8192^3 GEMM on a 28-SM partition is several times slower than on the whole GPU, and the largest
+    decode partition computes the same product."""
+    import torch
+
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
@@ -76,11 +194,11 @@ def test_partition_limits_sms(menu):
         return s.elapsed_time(e) / reps
 
     full = timed(menu.full.stream)
-    pair = menu.pair(32)
-    small = timed(pair.prefill.stream)
+    small = timed(menu.prefill[28].stream)
     assert small > 2.0 * full, (small, full)
     ref = torch.mm(a, b)
-    with torch.cuda.stream(pair.decode.stream):
+    stream = menu.decode[max(n for n in menu.decode if n < menu.num_sms)].stream
+    with torch.cuda.stream(stream):
         out = torch.mm(a, b)
-    pair.decode.stream.synchronize()
+    stream.synchronize()
     assert torch.equal(out, ref) or (out - ref).abs().max() < 1e-2 * ref.abs().max()

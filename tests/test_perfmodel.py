@@ -103,7 +103,7 @@ def test_more_sms_never_slower(model, work):
 
 
 def test_array_of_sms_equals_scalar_calls(model):
-    menu = np.array(H200.partition_sizes())
+    menu = np.array(H200.prefill_sizes[:-1])
     for w in WORKS:
         arr = model.predict(w, menu)
         assert isinstance(arr, np.ndarray) and arr.shape == menu.shape
@@ -136,7 +136,7 @@ def test_contention_slows_both_lanes_and_speeds_none(model):
     for p in (256, 2048, 8192):
         wp = prefill(p)
         for wd in (decode(8, 256), DECODE_CAL, decode(256, 4096)):
-            for n_p in H200.partition_sizes():
+            for n_p in H200.prefill_sizes[:-1]:
                 n_d = N - n_p
                 alone_p, alone_d = model.predict(wp, n_p), model.predict(wd, n_d)
                 assert model.predict(wp, n_p, wd, n_d) >= alone_p
@@ -167,7 +167,7 @@ def test_tp8_70b(model):
     no_ar = RooflineModel(MODELS["llama-3.1-70b"], H200, allreduce_bandwidth=1e30, allreduce_latency=1e-30)
     assert no_ar.predict(w, N) < t
     p = prefill(4096, layers=80)
-    menu = np.array(H200.partition_sizes())
+    menu = np.array(H200.prefill_sizes[:-1])
     np.testing.assert_allclose(m70.predict(p, menu), [m70.predict(p, int(n)) for n in menu], rtol=1e-12)
     steps = m70.decode_steps(w, 10, 64, p, 68)
     assert steps.shape == (10,) and np.all(np.isfinite(steps)) and np.all(np.diff(steps) >= 0)

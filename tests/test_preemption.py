@@ -62,7 +62,7 @@ class Spy:
 
 def run(policy, reqs, num_blocks, prefix_caching=False, **cfg):
     if policy == "static-split":
-        cfg = {"prefill_sms": 64, "layers_per_step": 8, **cfg}
+        cfg = {"prefill_sms": 68, "layers_per_step": 8, **cfg}
     lat = LinearLatency(L)
     kv = BlockManager(num_blocks, 16, prefix_caching)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), MODEL, GPU, kv, lat)
@@ -73,7 +73,7 @@ def run(policy, reqs, num_blocks, prefix_caching=False, **cfg):
         steps.append(res)
         kv.check()
 
-    done = serve(reqs, sched, EchoExecutor(lat, L), on_step=on_step)
+    done = serve(reqs, sched, EchoExecutor(lat, L, GPU), on_step=on_step)
     return done, steps, sched, spy
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 from typer.testing import CliRunner
 
 from bullet.cli import _gpu_short_name, app
-from bullet.config import MODELS
+from bullet.config import GPUS, MODELS
 from bullet.gpu.profile import COLUMNS, grid, read_points
 
 
@@ -25,7 +25,7 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
     out = tmp_path / "prof"
     run(out)
     rows = read_points(out / "points.csv")
-    ids = [p.id for p in grid(MODELS["tiny-llama"], 132, 8, True, cpu=True)]
+    ids = [p.id for p in grid(MODELS["tiny-llama"], (GPUS["h200"].prefill_sizes, GPUS["h200"].decode_sizes), True, cpu=True)]
     assert [r["id"] for r in rows] == ids
     assert list(rows[0]) == list(COLUMNS)
     by = {r["id"]: r for r in rows}

@@ -45,7 +45,7 @@ def run(policy, reqs, num_blocks=None, checks=None, **cfg):
     lat = LinearLatency(MODEL.num_layers)
     kv = BlockManager(num_blocks or 6000, 16)  # 96k tokens: room for the load, cheap to check()
     sched = make_scheduler(sched_cfg, MODEL, GPU, kv, lat)
-    ex = EchoExecutor(lat, MODEL.num_layers)
+    ex = EchoExecutor(lat, MODEL.num_layers, GPU)
     steps = []
 
     def on_step(res):
@@ -195,9 +195,9 @@ def test_md1_queue_waiting_time_and_utilisation():
 
 def test_split_policies_use_their_partitions():
     reqs = make_requests(50, seed=8)
-    _, steps, _ = run("static-split", reqs, prefill_sms=96, layers_per_step=8)
+    _, steps, _ = run("static-split", reqs, prefill_sms=92, layers_per_step=8)
     lanes = {(s.batch.partition.lane, s.batch.partition.num_sms) for s in steps}
-    assert lanes == {("prefill", 96), ("decode", 36)}
+    assert lanes == {("prefill", 92), ("decode", 40)}
     assert {len(s.batch.layers) for s in steps if s.batch.lane == "prefill"} == {8}
     _, steps, _ = run("naive-concurrent", make_requests(50, seed=8))
     assert {(s.batch.partition.lane, s.batch.partition.num_sms) for s in steps} == {("prefill", 132),
@@ -216,8 +216,8 @@ def test_split_lanes_overlap_in_time():
 def test_bad_static_split_is_a_config_error():
     from bullet.config import ConfigError
 
-    with pytest.raises(ConfigError, match="granule"):
-        run("static-split", make_requests(2), prefill_sms=100)
+    with pytest.raises(ConfigError, match="not a prefill size"):
+        run("static-split", make_requests(2), prefill_sms=96)
 
 
 def test_contention_slows_co_running_lanes():
@@ -251,7 +251,7 @@ def test_inline_work_equals_work_of():
     kv = BlockManager(6000, 16)
     sched = make_scheduler(SchedulerConfig(policy="chunked"), MODEL, GPU, kv, lat)
     steps = []
-    serve(make_requests(60, seed=11), sched, SimExecutor(lat, MODEL.num_layers), on_step=steps.append)
+    serve(make_requests(60, seed=11), sched, SimExecutor(lat, MODEL.num_layers, GPU), on_step=steps.append)
     works = {work_of(s.batch, MODEL.num_layers) for s in steps if s.batch.steps > 1}
     assert works and works <= set(seen) | {w for w in works if w.tokens != w.seqs}
 
@@ -271,7 +271,7 @@ def test_end_of_sequence_ends_a_request(policy):
         kv = BlockManager(600, 16)
         cfg = SchedulerConfig(policy=policy, max_decode_steps=max_steps)
         sched = make_scheduler(cfg, MODEL, GPU, kv, lat, eos_token_id=130)
-        done = {r.id: r for r in serve(reqs, sched, EchoExecutor(lat, MODEL.num_layers))}
+        done = {r.id: r for r in serve(reqs, sched, EchoExecutor(lat, MODEL.num_layers, GPU))}
         assert done[0].output_ids == list(range(100, 131)), max_steps
         assert done[1].output_ids == list(range(90, 131)), max_steps
         assert done[2].output_ids == list(range(50, 70))

@@ -1,10 +1,11 @@
 """GpuExecutor: the real-hardware side of the Executor protocol (bullet/batch.py).
 
 ``launch`` enqueues a Batch on its lane's stream: lane "all" on a whole-GPU stream; lanes "prefill" and
-"decode" on the green-context pair of the menu that matches ``batch.partition.num_sms`` (the decode lane
-takes the pair whose decode half has that many SMs, i.e. the complement of the prefill size); a split lane
-asking for the whole GPU (naive concurrency) gets one of two ordinary streams. On device "cpu" everything
-runs eagerly on the host inside ``launch`` (tests and development).
+"decode" on the nested menu's green context of exactly ``batch.partition.num_sms`` SMs (partitions.py); a
+split lane asking for the whole GPU (naive concurrency) gets one of two ordinary streams. A size the menu
+lacks, or one that overlaps the other lane's launch in flight, is a PartitionError (``check_launch``, the
+simulator's rule too). On device "cpu" everything runs eagerly on the host inside ``launch`` (tests and
+development; the rule is checked where a menu is given).
 
 Timing: CUDA events around each launch (and one per fused step). Their times are converted to the
 executor's clock (``time.perf_counter()`` since creation) through a reference event recorded, and waited
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..batch import Batch, Chunk, Lane, StepResult
+from ..batch import Batch, Chunk, Lane, StepResult, check_launch
 from ..config import ModelSpec
 from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
@@ -180,6 +181,10 @@ class GpuExecutor:
             raise ValueError(f"GpuExecutor.launch: layers {layers} is not a slice of 0..{L}")
         if batch.steps > 1 and (layers.start, layers.stop) != (0, L):
             raise ValueError("GpuExecutor.launch: fused decode steps need all layers")
+        if self.menu is not None:
+            check_launch(batch, (f.batch for f in self._inflight.values()),
+                         {"prefill": self.menu.prefill, "decode": self.menu.decode, "all": (self.menu.num_sms,)},
+                         self.menu.num_sms)
         self._order += 1
         if not self.cuda:
             self._inflight[lane] = self._run_cpu(batch)

@@ -1,18 +1,23 @@
-"""Green-context partitions: a fixed menu of disjoint (prefill, decode) stream pairs, made once at start-up.
+"""Green-context partitions: the nested menu, made once at start-up.
 
-For each prefill size ``p`` (granule steps, 8 SMs on Hopper) the device's SM resource is split ONCE into a
-group of ``p`` SMs and its remainder (``cuDevSmResourceSplitByCount``); each half becomes a green context
-(``cuDevResourceGenerateDesc`` -> ``cuGreenCtxCreate``) with one non-blocking stream
-(``cuGreenCtxStreamCreate``), wrapped as ``torch.cuda.ExternalStream``. Two halves of one split are disjoint;
-halves of different splits may overlap, so the two lanes should use the same pair at a time.
+The device's SM resource is split ONCE into ``G`` groups of ``granule`` SMs and a remainder
+(``cuDevSmResourceSplitByCount``; 15 x 8 + 12 on an H200). A prefill partition is the remainder plus the first
+``k`` groups, a decode partition the last ``j`` groups (``cuDevResourceGenerateDesc`` accepts several
+resources at once), each a green context (``cuGreenCtxCreate``) with one non-blocking stream
+(``cuGreenCtxStreamCreate``) wrapped as ``torch.cuda.ExternalStream``. So a prefill partition of ``p`` SMs and
+a decode partition of ``d`` SMs are disjoint whenever ``p + d <= num_sms``, whatever either lane ran before:
+each lane may change its size at each of its own launches (:func:`bullet.config.nested_sizes`,
+:func:`bullet.config.check_corun`). The whole GPU is an ordinary stream (lane "all"), and two more ordinary
+whole-GPU streams serve naive concurrency (both lanes asking for every SM).
 
 Kernels launched from the primary context onto such a stream run on that partition (BACKGROUND.md), and a
 CUDA graph captured on it keeps that partition when replayed anywhere. Partitions are never made per step:
-contexts cost device memory (about 176 MiB for 16 pairs on an H200) and the driver has been seen to fail
-after ~30 contexts were created and leaked.
+contexts cost device memory (about 170 MiB for the whole nested menu on an H200) and the driver has been seen
+to fail after ~30 contexts were created and leaked.
 
 Where cuda.bindings or green contexts are missing (CPU, old drivers) the menu falls back, with one warning,
-to ordinary whole-GPU streams (``green == False``); with no CUDA at all, every stream is ``None``.
+to ordinary whole-GPU streams (``green == False``) under the same sizes; with no CUDA at all, every stream
+is ``None``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import partition_sizes
+from ..config import PartitionError, check_corun, nested_sizes
 
 
 class GreenContextError(RuntimeError):
@@ -34,17 +39,8 @@ class Side:
 
     stream: Any  # torch.cuda.Stream / ExternalStream, or None on a machine without CUDA
     num_sms: int
-    key: str  # unique name of the partition ("p64", "d68", "all", "naive-a"): graphs are keyed by it
+    key: str  # unique name of the partition ("p68", "d40", "all", "naive-a"): graphs are keyed by it
     ctx: Any = None  # CUgreenCtx, or None for ordinary streams
-
-
-@dataclass(frozen=True, slots=True)
-class Pair:
-    """Two disjoint partitions from one split: ``prefill`` has ``requested`` SMs (rounded by the driver)."""
-
-    requested: int
-    prefill: Side
-    decode: Side
 
 
 @dataclass(slots=True)
@@ -52,46 +48,48 @@ class PartitionMenu:
     device: int
     num_sms: int
     granule: int
+    remainder: int  # SMs outside the granule groups (given to every prefill partition)
     green: bool
-    pairs: dict[int, Pair]  # by the prefill side's actual SM count
+    prefill: dict[int, Side]  # by SM count, ascending, the whole GPU (a naive stream) last
+    decode: dict[int, Side]
     full: Side  # lane "all": a whole-GPU stream
-    naive: tuple[Side, Side]  # naive concurrency: two ordinary whole-GPU streams
+    naive: tuple[Side, Side]  # both split lanes on the whole GPU: two ordinary whole-GPU streams
     memory_bytes: int = 0  # device memory the menu cost (mem_get_info before - after)
     _streams: list = field(default_factory=list)  # raw CUstreams to destroy
+    _ctxs: list = field(default_factory=list)  # green contexts to destroy
     _closed: bool = False
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, device: int = 0, granule: int = 8, sizes: list[int] | None = None) -> PartitionMenu:
-        """The menu for ``device``: one pair per prefill size (default: :func:`default_sizes`). Green
-        contexts where the driver supports them, else a fallback."""
+    def create(cls, device: int = 0, granule: int = 8) -> PartitionMenu:
+        """The nested menu for ``device``: green contexts where the driver supports them, else a fallback."""
         try:
             import torch
         except ImportError:  # the core imports without torch; a menu without torch has no streams
             torch = None
         if torch is None or not torch.cuda.is_available():
-            return cls._fallback(device, granule, sizes, num_sms=0, reason="CUDA is not available")
+            return cls.fallback(device, granule, num_sms=0, reason="CUDA is not available")
         torch.cuda.init()
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         try:
             from cuda.bindings import driver
         except ImportError as e:
-            return cls._fallback(device, granule, sizes, num_sms, reason=f"cuda.bindings missing ({e})")
+            return cls.fallback(device, granule, num_sms, reason=f"cuda.bindings missing ({e})")
         if not hasattr(driver, "cuGreenCtxCreate"):
-            return cls._fallback(device, granule, sizes, num_sms, reason="cuda.bindings has no green contexts")
+            return cls.fallback(device, granule, num_sms, reason="cuda.bindings has no green contexts")
         with torch.cuda.device(device):
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info(device)[0]
             try:
-                menu = cls._create_green(driver, torch, device, granule, sizes, num_sms)
+                menu = cls._create_green(driver, torch, device, granule)
             except _Unsupported as e:
-                return cls._fallback(device, granule, sizes, num_sms, reason=str(e))
+                return cls.fallback(device, granule, num_sms, reason=str(e))
             torch.cuda.synchronize()
             menu.memory_bytes = free_before - torch.cuda.mem_get_info(device)[0]
         return menu
 
     @classmethod
-    def _create_green(cls, driver, torch, device: int, granule: int, sizes, num_sms: int) -> PartitionMenu:
+    def _create_green(cls, driver, torch, device: int, granule: int) -> PartitionMenu:
         check = _checker(driver)
         (err,) = driver.cuInit(0)[:1]
         check(err, "cuInit")
@@ -102,106 +100,101 @@ class PartitionMenu:
             raise _Unsupported(f"cuDeviceGetDevResource: {_name(driver, err)}")
         check(err, "cuDeviceGetDevResource")
         num_sms = int(whole.sm.smCount)
-        sizes = sizes or default_sizes(num_sms, granule)
-        menu = cls(device, num_sms, granule, True, {}, Side(torch.cuda.Stream(device), num_sms, "all"),
-                   (Side(torch.cuda.Stream(device), num_sms, "naive-a"),
-                    Side(torch.cuda.Stream(device), num_sms, "naive-b")))
+        err, groups, n, rest = driver.cuDevSmResourceSplitByCount(num_sms // granule, whole, 0, granule)
+        check(err, f"cuDevSmResourceSplitByCount({num_sms // granule} x {granule})")
+        groups = list(groups)[:n]
+        remainder = int(rest.sm.smCount)
+        if n < 2 or any(int(g.sm.smCount) != granule for g in groups) or remainder + n * granule != num_sms:
+            raise GreenContextError(f"cuDevSmResourceSplitByCount gave {n} groups of "
+                                    f"{[int(g.sm.smCount) for g in groups]} SMs and {remainder} left over "
+                                    f"on a {num_sms}-SM device")
+        full = Side(torch.cuda.Stream(device), num_sms, "all")
+        naive = (Side(torch.cuda.Stream(device), num_sms, "naive-a"),
+                 Side(torch.cuda.Stream(device), num_sms, "naive-b"))
+        menu = cls(device, num_sms, granule, remainder, True, {}, {}, full, naive)
+        lead = [rest] if remainder else []
         try:
-            for p in sizes:
-                pair = menu._make_pair(driver, torch, dev, whole, p, check)
-                if pair.prefill.num_sms in menu.pairs:  # the driver rounded two sizes to one: keep the first
-                    menu._destroy_pair(driver, pair)
-                    continue
-                menu.pairs[pair.prefill.num_sms] = pair
+            for k in range(1, n):  # prefill: the remainder and the first k groups
+                side = menu._make_side(driver, torch, dev, lead + groups[:k], "p", check)
+                menu.prefill[side.num_sms] = side
+            for j in range(1, n):  # decode: the last j groups
+                side = menu._make_side(driver, torch, dev, groups[n - j:], "d", check)
+                menu.decode[side.num_sms] = side
         except BaseException:
             menu.close()
             raise
+        menu.prefill[num_sms], menu.decode[num_sms] = naive
+        menu._check_sizes()
         return menu
 
-    def _make_pair(self, driver, torch, dev, whole, p: int, check) -> Pair:
-        err, groups, n, rest = driver.cuDevSmResourceSplitByCount(1, whole, 0, p)
-        check(err, f"cuDevSmResourceSplitByCount(minCount={p})")
-        if n < 1:
-            raise GreenContextError(f"cuDevSmResourceSplitByCount(minCount={p}) made no group")
-        sides = []
-        for lane, res in (("p", groups[0]), ("d", rest)):
-            err, desc = driver.cuDevResourceGenerateDesc([res], 1)
-            check(err, f"cuDevResourceGenerateDesc({lane}{p})")
-            err, ctx = driver.cuGreenCtxCreate(desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
-            check(err, f"cuGreenCtxCreate({lane}{p})")
-            err, raw = driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
-            if err != driver.CUresult.CUDA_SUCCESS:
-                driver.cuGreenCtxDestroy(ctx)
-                check(err, f"cuGreenCtxStreamCreate({lane}{p})")
-            self._streams.append(raw)
-            err, got = driver.cuGreenCtxGetDevResource(ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
-            check(err, f"cuGreenCtxGetDevResource({lane}{p})")
-            stream = torch.cuda.ExternalStream(int(raw), device=self.device)
-            sides.append(Side(stream, int(got.sm.smCount), "", ctx))
-        pre, dec = sides
-        return Pair(p, Side(pre.stream, pre.num_sms, f"p{pre.num_sms}", pre.ctx),
-                    Side(dec.stream, dec.num_sms, f"d{dec.num_sms}/p{pre.num_sms}", dec.ctx))
+    def _make_side(self, driver, torch, dev, resources: list, lane: str, check) -> Side:
+        want = sum(int(r.sm.smCount) for r in resources)
+        err, desc = driver.cuDevResourceGenerateDesc(resources, len(resources))
+        check(err, f"cuDevResourceGenerateDesc({lane}{want})")
+        err, ctx = driver.cuGreenCtxCreate(desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+        check(err, f"cuGreenCtxCreate({lane}{want})")
+        self._ctxs.append(ctx)
+        err, raw = driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        check(err, f"cuGreenCtxStreamCreate({lane}{want})")
+        self._streams.append(raw)
+        err, got = driver.cuGreenCtxGetDevResource(ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
+        check(err, f"cuGreenCtxGetDevResource({lane}{want})")
+        if int(got.sm.smCount) != want:
+            raise GreenContextError(f"green context {lane}{want} got {int(got.sm.smCount)} SMs")
+        return Side(torch.cuda.ExternalStream(int(raw), device=self.device), want, f"{lane}{want}", ctx)
+
+    def _check_sizes(self) -> None:
+        pre, dec = nested_sizes(self.num_sms, self.granule, self.remainder)
+        if tuple(self.prefill) != pre or tuple(self.decode) != dec:
+            raise GreenContextError(f"partition menu sizes {tuple(self.prefill)} / {tuple(self.decode)} differ "
+                                    f"from the nested rule's {pre} / {dec}")
 
     @classmethod
-    def _fallback(cls, device: int, granule: int, sizes, num_sms: int, reason: str) -> PartitionMenu:
-        warnings.warn(f"green contexts unavailable ({reason}): every lane runs on whole-GPU streams",
-                      RuntimeWarning, stacklevel=3)
-        streams = []
+    def fallback(cls, device: int = 0, granule: int = 8, num_sms: int = 0, reason: str = "",
+                 nominal: tuple[int, int] = (132, 12)) -> PartitionMenu:
+        """Ordinary whole-GPU streams under the nested menu's sizes (``nominal`` SMs and remainder where the
+        device has none to report): correct, not isolated. Warns with ``reason`` when one is given."""
+        if reason:
+            warnings.warn(f"green contexts unavailable ({reason}): every lane runs on whole-GPU streams",
+                          RuntimeWarning, stacklevel=3)
+        streams = [None, None, None]
         if num_sms:
             import torch
 
             streams = [torch.cuda.Stream(device) for _ in range(3)]
-        total = num_sms or 1
-        s = streams or [None, None, None]
-        full = Side(s[0], total, "all")
-        naive = (Side(s[1], total, "naive-a"), Side(s[2], total, "naive-b"))
-        sizes = sizes or default_sizes(max(total, 4 * granule), granule)
-        # Without partitions each "pair" is the two naive whole-GPU streams: correct, not isolated.
-        pairs = {p: Pair(p, naive[0], naive[1]) for p in sizes}
-        return cls(device, total, granule, False, pairs, full, naive)
+        total = num_sms or nominal[0]
+        remainder = nominal[1] if total == nominal[0] else total % granule
+        if (total - remainder) // granule < 2:  # a tiny device: one group each way
+            granule, remainder = total // 2, total - 2 * (total // 2)
+        full = Side(streams[0], total, "all")
+        naive = (Side(streams[1], total, "naive-a"), Side(streams[2], total, "naive-b"))
+        pre, dec = nested_sizes(total, granule, remainder)
+        return cls(device, total, granule, remainder, False, dict.fromkeys(pre, naive[0]),
+                   dict.fromkeys(dec, naive[1]), full, naive)
 
     # ------------------------------------------------------------------ lookup
-    def pair(self, prefill_sms: int) -> Pair:
-        """The pair whose prefill side has ``prefill_sms`` SMs (or was asked for that many); else the
-        nearest prefill size."""
-        if prefill_sms in self.pairs:
-            return self.pairs[prefill_sms]
-        for pair in self.pairs.values():
-            if pair.requested == prefill_sms:
-                return pair
-        if not self.pairs:
-            raise GreenContextError("the partition menu has no pairs")
-        return self.pairs[min(self.pairs, key=lambda k: (abs(k - prefill_sms), k))]
-
-    def pair_for_decode(self, decode_sms: int) -> Pair:
-        """The pair whose decode side has ``decode_sms`` SMs (the complement of a prefill size)."""
-        for pair in self.pairs.values():
-            if pair.decode.num_sms == decode_sms:
-                return pair
-        return self.pair(self.num_sms - decode_sms)
-
-    def streams(self, prefill_sms: int):
-        """``(prefill_stream, decode_stream, actual_prefill_sms)`` of the pair for ``prefill_sms``."""
-        pair = self.pair(prefill_sms)
-        return pair.prefill.stream, pair.decode.stream, pair.prefill.num_sms
-
     def side(self, lane: str, num_sms: int) -> Side:
-        """The partition a Batch on ``lane`` with ``num_sms`` runs on. Lane "all" -> the whole-GPU stream;
-        a split lane asking for the whole GPU -> one of the two naive streams (naive concurrency); else the
-        pair's prefill side, or for decode the side of the pair whose decode half has ``num_sms`` SMs."""
+        """The partition a Batch on ``lane`` asking for ``num_sms`` SMs runs on: exactly that size, or a
+        :class:`~bullet.config.PartitionError` naming the sizes there are."""
         if lane == "all":
+            if num_sms != self.num_sms:
+                raise PartitionError(f"lane 'all' runs on the whole GPU ({self.num_sms} SMs), not {num_sms}")
             return self.full
-        if num_sms >= self.num_sms:
-            return self.naive[0] if lane == "prefill" else self.naive[1]
-        if lane == "prefill":
-            return self.pair(num_sms).prefill
-        if lane == "decode":
-            return self.pair_for_decode(num_sms).decode
-        raise ValueError(f"unknown lane {lane!r}")
+        sides = self.prefill if lane == "prefill" else self.decode if lane == "decode" else None
+        if sides is None:
+            raise ValueError(f"unknown lane {lane!r}")
+        side = sides.get(num_sms)
+        if side is None:
+            raise PartitionError(f"no {lane} partition of {num_sms} SMs: the menu has {', '.join(map(str, sides))}")
+        return side
 
-    def describe(self) -> list[tuple[int, int, int]]:
-        """``(requested, prefill SMs, decode SMs)`` per pair, by prefill size."""
-        return [(p.requested, p.prefill.num_sms, p.decode.num_sms) for _, p in sorted(self.pairs.items())]
+    def check_corun(self, prefill_sms: int, decode_sms: int) -> None:
+        """Raise :class:`~bullet.config.PartitionError` unless the two lanes' partitions are disjoint."""
+        check_corun(prefill_sms, decode_sms, self.num_sms)
+
+    def describe(self) -> dict[str, list[int]]:
+        """The SM counts of each lane's partitions."""
+        return {"prefill": list(self.prefill), "decode": list(self.decode)}
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -218,32 +211,18 @@ class PartitionMenu:
         for raw in self._streams:
             driver.cuStreamDestroy(raw)
         self._streams.clear()
-        for pair in self.pairs.values():
-            self._destroy_pair(driver, pair, streams=False)
-        self.pairs.clear()
-
-    def _destroy_pair(self, driver, pair: Pair, streams: bool = True) -> None:
-        for side in (pair.prefill, pair.decode):
-            if streams:
-                raw = side.stream.cuda_stream
-                for i, s in enumerate(self._streams):
-                    if int(s) == raw:
-                        driver.cuStreamDestroy(self._streams.pop(i))
-                        break
-            if side.ctx is not None:
-                (err,) = driver.cuGreenCtxDestroy(side.ctx)
-                _checker(driver)(err, "cuGreenCtxDestroy")
+        for ctx in self._ctxs:
+            (err,) = driver.cuGreenCtxDestroy(ctx)
+            _checker(driver)(err, "cuGreenCtxDestroy")
+        self._ctxs.clear()
+        self.prefill.clear()
+        self.decode.clear()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def default_sizes(num_sms: int, granule: int) -> list[int]:
-    """Prefill sizes of the default menu: the same rule as the simulator's (``bullet.config``)."""
-    return partition_sizes(num_sms, granule)
 
 
 class _Unsupported(Exception):

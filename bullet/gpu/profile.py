@@ -24,16 +24,17 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..batch import Batch, Chunk, Partition, StepResult
-from ..config import ModelSpec, partition_sizes
+from ..config import ModelSpec
 from ..kvcache import BlockManager
 from ..perfmodel import work_of
+from .partitions import PartitionMenu
 
 PROFILE_VERSION = 1
 COLUMNS = ("id", "kind", "lane", "sms", "layers", "seqs", "tokens", "decode_seqs", "attn_pairs", "kv_read",
@@ -95,23 +96,27 @@ def _runs(ctx: tuple[int, ...]) -> str:
 
 # ---------------------------------------------------------------------------------------------- the grid
 
-def grid(spec: ModelSpec, num_sms: int, granule: int, quick: bool, cpu: bool = False,
+def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick: bool, cpu: bool = False,
          kv_tokens: int | None = None) -> list[Point]:
-    """Points to measure. The full grid covers every partition size of the menu on both lanes; ``quick``
-    every other one (16-SM steps). Solo points come first (co-runs size their decode stretch from them).
-    Decode batches whose KV would not fit ``kv_tokens`` are left out."""
+    """Points to measure on a menu of ``menu_sizes`` (prefill sizes, decode sizes; each ending with the whole GPU).
+    The full grid covers every partition size of the menu on both lanes; ``quick`` every other one. Solo
+    points come first (co-runs size their decode stretch from them). Decode batches whose KV would not fit
+    ``kv_tokens`` are left out."""
+    num_sms = menu_sizes[0][-1]
     if cpu:  # the tiny model on the host: the code paths, not the numbers
         pre_sizes, dec_sizes, new, prefixes, batches, ctxs = [num_sms], [num_sms], [16, 64], [0, 32], [1, 4], [32]
-        co_pairs, co_new, co_batches, co_ctx = [(64, 68)], [64], [4], 32
+        co_pairs, co_new, co_batches, co_ctx = [(68, 64)], [64], [4], 32
     else:
-        sizes = partition_sizes(num_sms, granule)
-        pre_sizes = sizes[::2] if quick else sizes
-        dec_sizes = [num_sms - p for p in pre_sizes]
+        pre_sizes, dec_sizes = list(menu_sizes[0][:-1]), list(menu_sizes[1][:-1])
+        if quick:
+            pre_sizes, dec_sizes = pre_sizes[::2], dec_sizes[::2]
         new = [256, 1024, 4096, 8192] if quick else [128, 512, 1024, 2048, 4096, 8192]
         prefixes = [0, 8192] if quick else [0, 2048, 8192, 16384]
         batches = [1, 8, 32, 64, 128, 256] if quick else [1, 4, 8, 16, 32, 64, 96, 128, 192, 256]
         ctxs = [512, 2048, 8192] if quick else [256, 1024, 2048, 4096, 8192]
-        co_pairs = [(p, num_sms - p) for p in ([64, 96] if quick else pre_sizes[::2])]
+        # co-runs on complementary pairs (decode takes the rest): those a split policy runs most
+        co_pre = [min(pre_sizes, key=lambda p, t=t: abs(p - t)) for t in (64, 96)] if quick else pre_sizes[::2]
+        co_pairs = [(p, num_sms - p) for p in co_pre]
         co_new, co_batches, co_ctx = [2048, 8192], [32, 128], 2048
     pts: list[Point] = []
     for lane, sizes in (("all", [num_sms]), ("prefill", pre_sizes if not cpu else [])):
@@ -416,9 +421,9 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
-    num_sms = executor.menu.num_sms if executor.menu else 132
-    granule = executor.menu.granule if executor.menu else 8
-    pts = grid(spec, num_sms, granule, quick, cpu, executor.kv.num_blocks * executor.kv.block_size)
+    menu = executor.menu or PartitionMenu.fallback()
+    pts = grid(spec, (tuple(menu.prefill), tuple(menu.decode)), quick, cpu,
+               executor.kv.num_blocks * executor.kv.block_size)
     path = out / "points.csv"
     have = {r["id"]: r for r in read_points(path)}
     if have and path.exists():  # rewrite without a torn tail before appending

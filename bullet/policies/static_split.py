@@ -1,4 +1,4 @@
-"""Prefill and decode run concurrently on a fixed pair of disjoint SM partitions (e.g. 96/36). Prefill
+"""Prefill and decode run concurrently on a fixed pair of disjoint SM partitions (e.g. 92/40). Prefill
 advances ``layers_per_step`` layers per launch (all of them by default); decode steps run on the rest."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ class StaticSplit(Scheduler):
 
     def _partitions(self) -> tuple[Partition, Partition]:
         p, gpu = self.cfg.prefill_sms, self.gpu
-        menu = gpu.partition_sizes()
+        menu = gpu.prefill_sizes[:-1]  # a split leaves decode the rest, so not the whole GPU
         if p not in menu:
-            raise ConfigError(f"prefill_sms={p} must be a multiple of {gpu.name}'s {gpu.sm_granule}-SM granule "
-                              f"from {menu[0]} to {menu[-1]} (the partition menu)")
+            raise ConfigError(f"prefill_sms={p} is not a prefill size of {gpu.name}'s partition menu: "
+                              f"{gpu.sm_remainder} + a multiple of {gpu.sm_granule}, from {menu[0]} to {menu[-1]}")
         return Partition("prefill", p), Partition("decode", gpu.num_sms - p)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
