@@ -132,7 +132,7 @@ def _smids(stream, blocks: int = 2048):
         for i in range(spin):  # keep the block resident a little, so blocks spread over every SM
             acc += i
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(out_ptr + pid, sm + (acc * 0).to(tl.int32))
+        tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc * 0).to(tl.int32))
 
     out = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
     with torch.cuda.stream(stream):
