@@ -78,6 +78,10 @@ def simulate(
     hash_block_size: Annotated[int, typer.Option(help="Prompt tokens per id in the trace's hash_ids "
                                                       "(Mooncake: 512).")] = 512,
     seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).")] = 0,
+    latency: Annotated[str, typer.Option(help="Latency model: 'auto' (the fitted model shipped in "
+                                              "profiles/<gpu>/<model>/model.json if there is one, else the "
+                                              "roofline), 'roofline', 'fitted' (the shipped one), or the path "
+                                              "of a model JSON written by `bullet fit`.")] = "auto",
     out: Annotated[Path | None, typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
                                                      "and timeline.csv.")] = None,
     parquet: Annotated[bool, typer.Option(help="Write requests.parquet instead of requests.csv.")] = False,
@@ -91,6 +95,7 @@ def simulate(
     if plot and out is None:
         raise fail("--plot needs --out DIR (the folder the PNG files go to)")
     from simulator import simulate as run_simulation
+    from simulator.run import latency_model
 
     from .traces import TraceError, load_trace
 
@@ -110,6 +115,7 @@ def simulate(
         requests = load_trace(trace, trace_format, num_requests=num_requests, rate=rate,
                               arrival_process=arrival.value, cv=cv, seed=seed,
                               hash_block_size=hash_block_size)
+        latency_backend = latency_model(latency, model_spec, gpu_spec)
     except (ConfigError, TraceError) as e:
         raise fail(str(e)) from None
     console = Console(stderr=as_json)
@@ -128,7 +134,8 @@ def simulate(
                 bar.update(task, completed=count)
 
         try:
-            result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo, on_finish=advance)
+            result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo, latency=latency_backend,
+                                    on_finish=advance)
         except (ConfigError, RuntimeError) as e:
             raise fail(str(e)) from None
     summary = result.summary
@@ -230,6 +237,88 @@ def profile(
     console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json")
 
 
+@app.command()
+def fit(
+    profile_dir: Annotated[Path, typer.Argument(help="Profile folder from `bullet profile` (points.csv + "
+                                                     "metadata.json).")],
+    out: Annotated[Path | None, typer.Option(help="Where to write the model JSON (default: "
+                                                    "PROFILE_DIR/model.json).")] = None,
+    force: Annotated[bool, typer.Option(help="Write the model even when its held-out error is over the "
+                                             "thresholds (it records that it was forced).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the random 20 % held-out split.")] = 0,
+) -> None:
+    """Fit the latency model to a profile: per-family non-negative regressions on physical terms (bytes,
+    FLOPs, GEMM waves, rows, context) by SM count, the host time of eager launches, and co-run slowdowns.
+    Prints the held-out error (a random 20 % of the points, and each partition size left out in turn) and
+    writes the model only if every kernel family is within 3 % MAPE and whole launches within 5 % mean and
+    10 % p95 (exit 1 otherwise, unless --force)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    try:
+        from .perfmodel import fit as fitting
+    except ImportError:
+        raise fail("bullet fit needs scikit-learn: pip install -e '.[fit]'") from None
+    console = Console()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("fitting: {task.description}"), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("loading")
+            model = fitting.fit_profile(profile_dir, seed,
+                                        on_fold=lambda name: bar.update(task, description=f"held out {name}"))
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    except ImportError as e:
+        raise fail(f"bullet fit needs scikit-learn ({e}): pip install -e '.[fit]'") from None
+    print_fit_table(model, console)
+    problems = model["errors"]["failures"]
+    out = out or profile_dir / "model.json"
+    if problems and not force:
+        console.print("[red]not written[/red]: held-out error over the thresholds: " + "; ".join(problems)
+                      + " (--force writes it anyway)", highlight=False)
+        raise typer.Exit(1)
+    model["forced"] = bool(problems)
+    try:
+        fitting.write_model(model, out)
+    except OSError as e:
+        raise fail(f"{out}: cannot write the model: {e.strerror or e}") from None
+    note = " [yellow](forced: over the thresholds)[/yellow]" if problems else ""
+    console.print(f"wrote {out}{note}")
+
+
+def print_fit_table(model: dict, console: Console) -> None:
+    err = model["errors"]
+    table = Table(title=f"held-out error of the fitted model ({model['model_spec']['name']} on "
+                        f"{model['gpu']['name']}, {model['profile']['points']} points; MAPE)",
+                  title_justify="left")
+    table.add_column("family")
+    for split in ("rand", "loso"):
+        table.add_column(f"{split} n", justify="right")
+        table.add_column("mean", justify="right")
+        table.add_column("p95", justify="right")
+    table.add_column("in-sample", justify="right")
+    limit = {"launch": err["thresholds"]["launch_mean"]}
+
+    def cell(v: float | None, bound: float | None) -> str:
+        if v is None:
+            return "-"
+        text = f"{100 * v:.1f} %"
+        return f"[red]{text}[/red]" if bound is not None and v > bound else text
+
+    for fam, splits in err["held_out"].items():
+        bound = limit.get(fam, err["thresholds"]["family_mean"] if fam in err["gated"] else None)
+        p95_bound = err["thresholds"]["launch_p95"] if fam == "launch" else None
+        row = [fam if fam in err["gated"] or fam == "launch" else f"{fam} (*)"]
+        for split in ("random", "loso"):
+            s = splits[split]
+            row += [str(s["n"]), cell(s["mean"], bound), cell(s["p95"], p95_bound)]
+        ins = err["in_sample"].get(fam, {}).get("mean")
+        row.append(cell(ins, None))
+        table.add_row(*row)
+    console.print(table)
+    console.print("rand: a random 20 % of the points held out (seed {}); loso: each SM count held out in turn. "
+                  "(*) not gated: host time counts through whole launches.".format(err["seed"]))
+
+
 def print_summary(s: dict, console: Console) -> None:
     slo = s["slo"]
     ttft_slo = (f"{slo['ttft_per_token_ms']:g} ms/token" if slo["ttft_per_token_ms"] is not None
@@ -256,6 +345,8 @@ def print_summary(s: dict, console: Console) -> None:
     if s.get("rejected"):
         tput.add_row("[yellow]rejected (never served)[/yellow]", f"{s['rejected']:,}: {s['rejected_example']}")
     tput.add_row("preemptions", str(s["preemptions"]))
+    if "latency_model" in s:
+        tput.add_row("latency model", s["latency_model"])
     if s.get("prefix_caching"):
         tput.add_row("prefix cache hit rate",
                      f"{100 * s['prefix_cache_hit_rate']:.1f} % ({s['prefix_cache_hit_tokens']:,} of "

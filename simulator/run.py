@@ -6,10 +6,11 @@ import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from bullet.config import CacheConfig, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
+from bullet.config import CacheConfig, ConfigError, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from bullet.engine import serve
 from bullet.kvcache import BlockManager
 from bullet.metrics import Timeline, request_columns, summarize
@@ -30,10 +31,48 @@ class SimulationResult:
     wall_s: float
 
 
-def default_latency_model(model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
+ROOT = Path(__file__).resolve().parents[1]
+LATENCY_CHOICES = ("auto", "roofline", "fitted")
+
+
+def shipped_model_path(model: ModelSpec, gpu: GpuSpec) -> Path:
+    """Where a fitted model for this model and GPU is shipped: profiles/<gpu>/<model>/model.json."""
+    return ROOT / "profiles" / gpu.name / model.name / "model.json"
+
+
+def latency_model(choice: str, model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
+    """``auto``: the shipped fitted model for this model and GPU if there is one, else the roofline;
+    ``roofline``; ``fitted``: the shipped one (an error if there is none); anything else: a model JSON path.
+    A fitted model for another model or GPU is refused (ConfigError naming both)."""
+    from bullet.perfmodel.fitted import FittedModel
     from bullet.perfmodel.roofline import RooflineModel
 
-    return RooflineModel(model, gpu)
+    shipped = shipped_model_path(model, gpu)
+    if choice == "roofline" or (choice == "auto" and not shipped.exists()):
+        return RooflineModel(model, gpu)
+    if choice in ("auto", "fitted"):
+        if not shipped.exists():
+            raise ConfigError(f"--latency fitted: no fitted model for {model.name} on {gpu.name} "
+                              f"({shipped.relative_to(ROOT)} does not exist; `bullet fit` a profile, or give "
+                              f"a model JSON path)")
+        return FittedModel.load(shipped, model, gpu)
+    return FittedModel.load(choice, model, gpu)
+
+
+def latency_name(latency: LatencyModel) -> str:
+    """How the summary names the latency model: 'roofline', or 'fitted: <path>'."""
+    source = getattr(latency, "source", None)
+    if source is not None:
+        try:
+            source = str(Path(source).resolve().relative_to(ROOT))
+        except ValueError:
+            pass
+        return f"fitted: {source}"
+    return type(latency).__name__.removesuffix("Model").lower()
+
+
+def default_latency_model(model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
+    return latency_model("auto", model, gpu)
 
 
 def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched: SchedulerConfig,
@@ -42,7 +81,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              on_finish: Callable[[Request], None] | None = None) -> SimulationResult:
     t0 = time.perf_counter()
     cache, slo = cache or CacheConfig(), slo or SloConfig()
-    latency = CachedLatency(latency or default_latency_model(model, gpu))
+    base = latency or default_latency_model(model, gpu)
+    latency = CachedLatency(base)
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency)
     timeline = Timeline()
@@ -56,7 +96,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
             gc.enable()
     cols = request_columns(done, slo)
     summary = summarize(done, slo, timeline.busy, cols)
-    summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, kv_blocks=kv.num_blocks,
+    summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, latency_model=latency_name(base), kv_blocks=kv.num_blocks,
                    block_size=kv.block_size, launches=len(timeline.rows), prefix_caching=kv.prefix_caching,
                    prefix_cache_hit_tokens=scheduler.hit_tokens, prefix_cache_query_tokens=scheduler.query_tokens,
                    prefix_cache_hit_rate=(scheduler.hit_tokens / scheduler.query_tokens

@@ -1,0 +1,449 @@
+"""``bullet fit``: a profile folder (``points.csv`` + ``metadata.json`` from ``bullet profile``) -> a fitted
+latency model (JSON, read by :class:`~bullet.perfmodel.fitted.FittedModel`), with its held-out error.
+
+Each family of ``fitted.py`` is a non-negative least-squares fit (scikit-learn ``LinearRegression(positive=
+True)``, weighted by 1 / target^2 so that it minimises relative error) of the measured times on the terms
+listed in :data:`TERMS`. The contention families are fitted second, on the measured co-run time over the
+stand-alone prediction. Held-out error: a seeded random 20 % of the points, and leave-one-partition-size-out
+(every point measured on that SM count held out, the rest fitted), as MAPE mean and p95 per family and for
+whole launches. scikit-learn is imported here only; prediction never needs it.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError, ModelSpec
+from .base import Work
+from .fitted import (
+    CO_Q,
+    DEFAULT_KERNELS,
+    FAMILIES,
+    FORMAT,
+    FORMAT_VERSION,
+    HOST_Q,
+    SHAPE_KEYS,
+    FittedModel,
+    Quantities,
+    basis_table,
+    spec_dict,
+)
+
+COLUMNS = ("id", "kind", "lane", "sms", "layers", "seqs", "tokens", "decode_seqs", "attn_pairs", "kv_read",
+           "max_ctx", "samples", "embed", "steps", "co_kind", "co_sms", "co_tokens", "co_seqs", "co_kv_read",
+           "co_attn_pairs", "co_layers", "overlap", "gpu_s", "first_s", "step_s", "host_s", "gpu_s_min",
+           "gpu_s_max", "reps")  # bullet/gpu/profile.py's COLUMNS (tests check they agree)
+INT_COLS = ("sms", "layers", "seqs", "tokens", "decode_seqs", "kv_read", "max_ctx", "samples", "embed", "steps",
+            "co_sms", "co_tokens", "co_seqs", "co_kv_read", "co_layers", "reps")
+FLOAT_COLS = ("attn_pairs", "co_attn_pairs", "overlap", "gpu_s", "first_s", "step_s", "host_s", "gpu_s_min",
+              "gpu_s_max")
+CHOICES = {"kind": ("prefill", "decode", "mixed"), "lane": ("all", "prefill", "decode"),
+           "co_kind": ("", "prefill", "decode")}
+META_KEYS = ("model", "model_spec", "gpu", "num_sms")
+
+# Knots of the N / min(n, K) SM basis (fitted.py); the whole GPU is always one.
+KNOTS = (16, 32, 48, 64, 96)
+# a launch counts as GPU-bound (its gpu_s measures the GPU, not the host) above this multiple of host_s
+GPU_BOUND = 1.15
+THRESHOLDS = {"family_mean": 0.03, "launch_mean": 0.05, "launch_p95": 0.10}
+# families whose MAPE is gated (host time is reported, and gated through whole launches)
+GATED = ("decode step", "decode first", "prefill", "mixed", "co-run prefill", "co-run decode")
+
+
+def default_terms(num_sms: int, knots=KNOTS) -> dict[str, list[tuple[str, str]]]:
+    ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
+    dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
+    dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
+            ("layers", "one"), ("launch", "one")]
+    eager = [(q, b) for q in ("gemm_flops", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens") for b in ks]
+    eager += [("gemm_flops", "full"), ("gemm_waves", "one"), ("samples", "one"), ("layers", "one"),
+              ("launch", "one")]
+    return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
+            "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
+            "co_eager": [(q, "one") for q in CO_Q], "co_decode": [(q, "one") for q in CO_Q]}
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+@dataclass(frozen=True)
+class Profile:
+    folder: Path
+    meta: dict
+    spec: ModelSpec
+    gpu: str  # short name: h200
+    num_sms: int
+    rows: list[dict]  # typed, each with "line"
+    sha256: str
+
+
+def gpu_short_name(name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; the folder name of a profile."""
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name.upper())
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def load_profile(folder: str | Path) -> Profile:
+    """Read and validate a profile folder; any defect raises ConfigError naming the file, line and field."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: not a profile folder (no such directory)")
+    meta_path, points_path = folder / "metadata.json", folder / "points.csv"
+    meta = _read_meta(meta_path)
+    ms = meta["model_spec"]
+    try:
+        spec = ModelSpec(name=str(meta["model"]), **{k: ms[k] for k in SHAPE_KEYS if k in ms})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{meta_path}: field 'model_spec': {e}") from None
+    num_sms = meta["num_sms"]
+    rows, digest = _read_points(points_path, num_sms)
+    if not rows:
+        raise ConfigError(f"{points_path}: no points")
+    return Profile(folder, meta, spec, gpu_short_name(str(meta["gpu"])), num_sms, rows, digest)
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path}: line 1: expected a JSON object")
+    lines = text.splitlines()
+
+    def line_of(key: str) -> str:
+        for i, ln in enumerate(lines, 1):
+            if f'"{key}"' in ln:
+                return f"line {i}: "
+        return ""
+
+    for key in META_KEYS:
+        if key not in meta:
+            raise ConfigError(f"{path}: field {key!r} is missing")
+    if not isinstance(meta["num_sms"], int) or isinstance(meta["num_sms"], bool) or meta["num_sms"] < 1:
+        raise ConfigError(f"{path}: {line_of('num_sms')}field 'num_sms' must be a positive integer, "
+                          f"got {meta['num_sms']!r}")
+    if not isinstance(meta["gpu"], str) or not meta["gpu"] or meta["gpu"] == "cpu":
+        raise ConfigError(f"{path}: {line_of('gpu')}field 'gpu' must name the GPU measured, got {meta['gpu']!r}")
+    ms = meta["model_spec"]
+    if not isinstance(ms, dict):
+        raise ConfigError(f"{path}: {line_of('model_spec')}field 'model_spec' must be an object")
+    for key in SHAPE_KEYS[:9]:  # the shapes every profile records
+        v = ms.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{path}: {line_of(key)}field 'model_spec.{key}' must be a positive integer, "
+                              f"got {v!r}")
+    return meta
+
+
+def _read_points(path: Path, num_sms: int) -> tuple[list[dict], str]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    text = raw.decode("utf-8", errors="replace")
+    reader = csv.reader(text.splitlines())
+    header = next(reader, None)
+    if header is None:
+        raise ConfigError(f"{path}: line 1: empty file (expected a header)")
+    missing = [c for c in COLUMNS if c not in header]
+    extra = [c for c in header if c not in COLUMNS]
+    if missing or extra:
+        what = "; ".join(x for x in (f"missing column(s) {', '.join(missing)}" if missing else "",
+                                     f"unknown column(s) {', '.join(extra)}" if extra else "") if x)
+        raise ConfigError(f"{path}: line 1: {what}")
+    rows = []
+    for line, fields_ in enumerate(reader, 2):
+        if not fields_:
+            continue
+        if len(fields_) != len(header):
+            field = header[len(fields_)] if len(fields_) < len(header) else "(extra values)"
+            raise ConfigError(f"{path}: line {line}: truncated or malformed row: {len(fields_)} of "
+                              f"{len(header)} fields (field {field!r} onwards)")
+        raw_row = dict(zip(header, fields_))
+        row: dict = {"line": line, "id": raw_row["id"]}
+        for col, choices in CHOICES.items():
+            if raw_row[col] not in choices:
+                raise ConfigError(f"{path}: line {line}, field {col!r}: {raw_row[col]!r} is not one of "
+                                  f"{', '.join(repr(c) for c in choices)}")
+            row[col] = raw_row[col]
+        for col in INT_COLS:
+            try:
+                v = float(raw_row[col])
+            except ValueError:
+                raise ConfigError(f"{path}: line {line}, field {col!r}: not a number: {raw_row[col]!r}") from None
+            if not v.is_integer() or v < 0:
+                raise ConfigError(f"{path}: line {line}, field {col!r}: expected a count, got {raw_row[col]!r}")
+            row[col] = int(v)
+        for col in FLOAT_COLS:
+            try:
+                v = float(raw_row[col])
+            except ValueError:
+                raise ConfigError(f"{path}: line {line}, field {col!r}: not a number: {raw_row[col]!r}") from None
+            if not math.isfinite(v) and not (col == "step_s" and row["kind"] != "decode"):
+                raise ConfigError(f"{path}: line {line}, field {col!r}: not a finite number: {raw_row[col]!r}")
+            row[col] = v
+        for col in ("gpu_s", "first_s", "host_s"):
+            if not row[col] > 0:
+                raise ConfigError(f"{path}: line {line}, field {col!r}: must be > 0, got {raw_row[col]!r}")
+        if not 1 <= row["sms"] <= num_sms:
+            raise ConfigError(f"{path}: line {line}, field 'sms': {row['sms']} is not in 1..{num_sms}")
+        if row["tokens"] < 1 or row["seqs"] < 1 or row["layers"] < 1 or row["steps"] < 1 or row["reps"] < 1:
+            raise ConfigError(f"{path}: line {line}: tokens, seqs, layers, steps and reps must be >= 1")
+        if row["co_kind"] and not 1 <= row["co_sms"] <= num_sms:
+            raise ConfigError(f"{path}: line {line}, field 'co_sms': {row['co_sms']} is not in 1..{num_sms}")
+        rows.append(row)
+    return rows, hashlib.sha256(raw).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- samples
+
+def work_of_row(r: dict) -> Work:
+    return Work(r["layers"], r["tokens"], r["seqs"], r["attn_pairs"], r["kv_read"], r["samples"],
+                bool(r["embed"]), r["max_ctx"])
+
+
+def co_work_of_row(r: dict) -> Work:
+    seqs = max(1, r["co_seqs"])
+    decode = r["co_kind"] == "decode"
+    max_kv = r["co_kv_read"] // seqs if decode else r["co_kv_read"]
+    return Work(r["co_layers"], r["co_tokens"], seqs, r["co_attn_pairs"], r["co_kv_read"], seqs if decode else 1,
+                True, max_kv)
+
+
+def decode_mid(w: Work, steps: float) -> Work:
+    """The decode Work at the mean KV of steps 1..steps-1 of a fused launch (what step_s averages)."""
+    i = steps / 2.0
+    return w._replace(kv_read=w.kv_read + w.seqs * i, attn_pairs=w.attn_pairs + w.seqs * i,
+                      max_kv=w.max_kv + i)
+
+
+def is_solo(r: dict) -> bool:
+    return not r["co_kind"]
+
+
+def is_decode(r: dict) -> bool:
+    return r["kind"] == "decode"
+
+
+def gpu_bound(r: dict) -> bool:
+    return r["gpu_s"] > GPU_BOUND * r["host_s"]
+
+
+# ---------------------------------------------------------------------------------------------- fitting
+
+def _design(q: Quantities, terms, items: list[tuple[dict, int]]) -> np.ndarray:
+    """Rows: each (quantities, n) as the terms' values quantity x basis(n)."""
+    tables = {b: basis_table(b, q.N) for _, b in terms}
+    return np.array([[qv[name] * tables[b][n] for name, b in terms] for qv, n in items], dtype=np.float64)
+
+
+def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+    from sklearn.linear_model import LinearRegression
+
+    if len(y) == 0:
+        return np.zeros(X.shape[1])
+    w = 1.0 / y**2 if relative else None
+    reg = LinearRegression(positive=True, fit_intercept=False)
+    reg.fit(X, y, sample_weight=w)
+    return np.maximum(reg.coef_, 0.0)
+
+
+def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None) -> dict:
+    """Fit every family on ``rows`` (of ``prof``); returns the model dict (no errors yet)."""
+    terms = terms or default_terms(prof.num_sms)
+    kernels = {**DEFAULT_KERNELS, **(kernels or {})}
+    q = Quantities(prof.spec, prof.num_sms, kernels)
+    coef: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+
+    def fit(family: str, items: list[tuple[dict, int]], y: list[float]) -> None:
+        X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
+        coef[family] = _nnls(X, np.asarray(y, dtype=np.float64))
+        counts[family] = len(y)
+
+    solo_dec = [r for r in rows if is_solo(r) and is_decode(r)]
+    fit("decode_step", [(q.decode(w, r["sms"]), r["sms"]) for r in solo_dec
+                        for w in [decode_mid(work_of_row(r), r["steps"])]], [r["step_s"] for r in solo_dec])
+    fit("decode_first", [(q.decode(work_of_row(r), r["sms"]), r["sms"]) for r in solo_dec],
+        [r["first_s"] for r in solo_dec])
+    solo_eager = [r for r in rows if is_solo(r) and not is_decode(r) and gpu_bound(r)]
+    fit("eager", [(q.eager(work_of_row(r), r["sms"]), r["sms"]) for r in solo_eager],
+        [r["gpu_s"] for r in solo_eager])
+    eager_all = [r for r in rows if not is_decode(r)]
+    fit("host", [(q.host(work_of_row(r)), 0) for r in eager_all], [r["host_s"] for r in eager_all])
+    # contention: measured over the stand-alone prediction of the model fitted so far
+    model = _assemble(prof, terms, kernels, coef, counts)
+    fm = FittedModel(model, host=False)
+    for family, kind in (("co_eager", "prefill"), ("co_decode", "decode")):
+        items, y = [], []
+        for r in rows:
+            if not r["co_kind"] or (r["kind"] == "decode") != (kind == "decode"):
+                continue
+            n, co, co_sms = r["sms"], co_work_of_row(r), r["co_sms"]
+            if kind == "decode":
+                w = decode_mid(work_of_row(r), 2.0 * (r["steps"] / 2.0 + 1.0))
+                alone = float(fm.decode_steps(w, 2, n)[1])
+                ratio = r["step_s"] / alone
+            else:
+                alone = fm.gpu_time(work_of_row(r), n)
+                t, o = r["gpu_s"], min(1.0, max(r["overlap"], 0.0))
+                if o <= 0.0 or alone <= (1.0 - o) * t:
+                    continue  # no overlap, or not measurable from this point
+                ratio = o * t / (alone - (1.0 - o) * t) if o < 1.0 else t / alone
+            items.append((fm.co_features(n, co, co_sms, False), 0))
+            y.append(ratio - 1.0)
+        X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
+        coef[family] = _nnls(X, np.asarray(y), relative=False) if y else np.zeros(len(terms[family]))
+        counts[family] = len(y)
+    return _assemble(prof, terms, kernels, coef, counts)
+
+
+def _assemble(prof: Profile, terms: dict, kernels: dict, coef: dict, counts: dict) -> dict:
+    fams = {}
+    for name in FAMILIES:
+        c = coef.get(name, np.zeros(len(terms[name])))
+        fams[name] = {"terms": [list(t) for t in terms[name]], "coef": [float(x) for x in c],
+                      "points": int(counts.get(name, 0))}
+    return {"format": FORMAT, "version": FORMAT_VERSION, "model_spec": spec_dict(prof.spec),
+            "gpu": {"name": prof.gpu, "num_sms": prof.num_sms, "device": prof.meta.get("gpu")},
+            "kernels": kernels, "families": fams}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+def predictions(fm: FittedModel, r: dict) -> dict[str, tuple[float, float]]:
+    """(predicted, measured) of one profile point for each family it belongs to, and for its whole launch."""
+    n, w = r["sms"], work_of_row(r)
+    out: dict[str, tuple[float, float]] = {}
+    if is_solo(r):
+        if is_decode(r):
+            steps = fm.decode_steps(w, r["steps"], n)
+            out["decode first"] = (float(steps[0]), r["first_s"])
+            if r["steps"] > 1:
+                out["decode step"] = (float(steps[1:].mean()), r["step_s"])
+            out["launch"] = (float(steps.sum()), r["gpu_s"])
+        else:
+            gpu = fm.gpu_time(w, n)
+            host = fm.host_time(w)
+            if gpu_bound(r):
+                out[r["kind"]] = (gpu, r["gpu_s"])
+            out["host"] = (host, r["host_s"])
+            out["launch"] = (max(gpu, host), r["gpu_s"])
+        return out
+    co, co_sms = co_work_of_row(r), r["co_sms"]
+    if is_decode(r):
+        wm = decode_mid(w, 2.0 * (r["steps"] / 2.0 + 1.0))
+        t = float(fm.decode_steps(wm, 2, n, co, co_sms)[1])
+        out["co-run decode"] = (t, r["step_s"])
+        out["launch"] = (t, r["step_s"])
+    else:
+        alone = fm.gpu_time(w, n)
+        t_co = alone * (1.0 + fm._slowdown("co_eager", n, co, co_sms, False))
+        o = min(1.0, max(r["overlap"], 0.0))
+        t = alone / (1.0 - o + o * alone / t_co)  # co-run for the overlap, alone after it
+        host = fm.host_time(w)
+        out["co-run prefill"] = (t, r["gpu_s"])
+        out["host"] = (host, r["host_s"])
+        out["launch"] = (max(t, host), r["gpu_s"])
+    return out
+
+
+FAMILY_ORDER = ("decode step", "decode first", "prefill", "mixed", "host", "co-run prefill", "co-run decode",
+                "launch")
+
+
+def _stats(errs: list[float]) -> dict:
+    if not errs:
+        return {"n": 0, "mean": None, "p95": None}
+    a = np.asarray(errs)
+    return {"n": len(errs), "mean": float(a.mean()), "p95": float(np.percentile(a, 95))}
+
+
+def evaluate(prof: Profile, seed: int = 0, terms: dict | None = None,
+             on_fold: Callable[[str], None] | None = None) -> dict:
+    """Held-out absolute relative errors per family: a seeded random 20 % split, and leave-one-partition-size-
+    out: each SM count below the whole GPU held out in turn (the whole GPU is an ordinary stream, not a
+    green-context partition, and every profile measures it: it stays in training)."""
+    rows = prof.rows
+    rng = np.random.default_rng(seed)
+    test_idx = set(rng.permutation(len(rows))[: max(1, round(0.2 * len(rows)))].tolist())
+    folds = [("random 20 %", [i in test_idx for i in range(len(rows))])]
+    for s in sorted({r["sms"] for r in rows} - {prof.num_sms}):  # the whole GPU is no partition size
+        folds.append((f"{s} SMs", [r["sms"] == s for r in rows]))
+    errs: dict[str, dict[str, list[float]]] = {"random": {}, "loso": {}}
+    for name, held in folds:
+        if on_fold is not None:
+            on_fold(name)
+        train = [r for r, h in zip(rows, held) if not h]
+        fm = FittedModel(fit_model(prof, train, terms), host=True)
+        split = "random" if name.startswith("random") else "loso"
+        for r, h in zip(rows, held):
+            if h:
+                for fam, (p, m) in predictions(fm, r).items():
+                    errs[split].setdefault(fam, []).append(abs(p / m - 1.0))
+    table = {fam: {split: _stats(errs[split].get(fam, [])) for split in ("random", "loso")}
+             for fam in FAMILY_ORDER if any(fam in errs[s] for s in errs)}
+    return table
+
+
+def failures(table: dict) -> list[str]:
+    """What is over the thresholds (empty: the model may be written)."""
+    out = []
+    for fam, splits in table.items():
+        for split, s in splits.items():
+            if s["n"] == 0:
+                continue
+            if fam == "launch":
+                if s["mean"] > THRESHOLDS["launch_mean"]:
+                    out.append(f"whole launches ({split}): mean {100 * s['mean']:.1f} % > 5 %")
+                if s["p95"] > THRESHOLDS["launch_p95"]:
+                    out.append(f"whole launches ({split}): p95 {100 * s['p95']:.1f} % > 10 %")
+            elif fam in GATED and s["mean"] > THRESHOLDS["family_mean"]:
+                out.append(f"{fam} ({split}): mean {100 * s['mean']:.1f} % > 3 %")
+    return out
+
+
+def in_sample(prof: Profile, model: dict) -> dict:
+    fm = FittedModel(model, host=True)
+    errs: dict[str, list[float]] = {}
+    for r in prof.rows:
+        for fam, (p, m) in predictions(fm, r).items():
+            errs.setdefault(fam, []).append(abs(p / m - 1.0))
+    return {fam: _stats(errs[fam]) for fam in FAMILY_ORDER if fam in errs}
+
+
+def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
+    """Load, evaluate held out, fit on every point; returns the model dict with its errors."""
+    prof = load_profile(folder)
+    table = evaluate(prof, seed, on_fold=on_fold)
+    if on_fold is not None:
+        on_fold("all points")
+    model = fit_model(prof, prof.rows)
+    model["fitted"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    model["profile"] = {"folder": str(folder), "points": len(prof.rows), "points_sha256": prof.sha256,
+                        "metadata": prof.meta}
+    model["errors"] = {"seed": seed, "held_out": table, "in_sample": in_sample(prof, model),
+                       "thresholds": THRESHOLDS, "gated": list(GATED), "failures": failures(table)}
+    return model
+
+
+def write_model(model: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(model, indent=1) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,419 @@
+"""A latency model fitted to a measured profile (``bullet fit``), loaded from JSON without scikit-learn.
+
+A launch's time is a non-negative linear combination of physical terms, one coefficient set per kernel
+family. A term is a *quantity* of the launch (bytes, FLOPs, wave-quantized FLOPs, rows, context tokens,
+layers) times an *SM basis* function of the partition's SM count ``n``:
+
+* ``k<K>``: ``N / min(n, K)`` for a knot ``K`` (``N`` = the GPU's SMs). A non-negative sum of these is
+  continuous and non-increasing in ``n``: time that falls as ``1/n`` on small partitions (bandwidth and
+  compute linear in SMs) and levels off past each knot (HBM saturated, the power cap binding).
+* ``one``: 1 (the quantity already depends on ``n``, e.g. GEMM waves = ceil(tiles / n) x tile FLOPs, or
+  does not scale with SMs: per-kernel overheads, the longest decode-attention program).
+* ``full``: 1 on the whole GPU (an ordinary stream: cuBLAS and the graphs see all SMs), 0 on a green
+  context.
+
+Families (what is fitted to what in ``points.csv``; ``bullet/perfmodel/fit.py``):
+
+* ``decode_step``: one later step of a fused decode launch (CUDA graph replay), fitted to ``step_s``;
+* ``decode_first``: the first step of a decode launch (it also pays the graph inputs' preparation),
+  fitted to ``first_s``;
+* ``eager``: the GPU time of an eager prefill or mixed launch, fitted to ``gpu_s`` where the launch was
+  GPU-bound (``gpu_s`` clearly above ``host_s``);
+* ``host``: the host time of an eager launch (``host_s``: Python, kernel launches, per-sequence attention
+  calls);
+* ``co_eager`` / ``co_decode``: the slowdown of an eager launch / a decode step while the other lane runs:
+  ``t = t_alone * (1 + s)``, ``s`` a non-negative combination of the co-runner's HBM demand (its bytes over
+  its own stand-alone time) and SM share.
+
+How ``predict`` combines them:
+
+* a decode launch (``tokens == seqs``): GPU time only (``decode_first``; ``decode_steps`` gives the first
+  step then ``decode_step`` for the rest): graph launches return to the host long before the GPU is done,
+  so host time never shows;
+* an eager launch (prefill, mixed): ``max(host, gpu)``, because the CUDA events around it measure the GPU
+  waiting for a host that enqueues more slowly than the GPU computes, and that is what the profile measured
+  (a 256-token prefill on the whole GPU: 12.4 ms of host time, 12.3 ms between the events).
+  ``FittedModel(..., host=False)`` leaves host time out (the GPU time alone: an executor that captured its
+  prefill in graphs).
+
+Co-running lanes that overlap (both on the whole GPU: naive concurrency) split the SMs they share in
+proportion to sqrt(tokens) of each launch, the roofline's assumption (not measured by the profile).
+
+Everything SM-dependent is a per-SM-count table built at load time (index = SM count), so the scalar path
+(plain Python floats, the simulator's hot path) and the array path (numpy, ``num_sms`` an array) do the same
+IEEE operations in the same order and give identical numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, GpuSpec, ModelSpec
+from .base import Work
+
+FORMAT = "bullet-fitted-latency"
+FORMAT_VERSION = 1
+
+# Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
+# attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
+# stored in the JSON with the model, so a model stays tied to the executor it was measured on.
+DEFAULT_KERNELS = {
+    "graph_buckets": [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256],
+    "graph_context": 16384,
+    "attn_target_programs": 1024,
+    "attn_max_splits": 32,
+    "attn_block_n": 64,
+    "tile_m": 128,
+    "tile_n": 256,
+}
+
+FAMILIES = ("decode_step", "decode_first", "eager", "host", "co_eager", "co_decode")
+EAGER_HOSTED = True  # default of FittedModel(host=...)
+
+# quantities each family may use (computed by Quantities below)
+DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "rows", "gemm_waves", "layers", "launch")
+EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "seq_layers",
+           "samples", "layers", "launch")
+HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
+CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
+
+
+class ModelMismatch(ConfigError):
+    """A fitted model used for another GPU or model than it was fitted for."""
+
+
+def spec_dict(spec: ModelSpec) -> dict:
+    return {f.name: (getattr(spec, f.name) if f.name != "rope_scaling" else None) for f in fields(ModelSpec)
+            if f.name in ("name", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                          "intermediate_size", "vocab_size", "dtype_bytes", "tp", "qkv_bias", "qk_norm")}
+
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+              "vocab_size", "dtype_bytes", "tp", "qkv_bias", "qk_norm")
+
+
+class Quantities:
+    """The physical quantities of a launch, from the model's shapes. Every method works on plain numbers
+    and, where an argument is a numpy array (SM counts, or KV tokens over fused steps), element-wise with
+    the very same operations."""
+
+    def __init__(self, spec: ModelSpec, num_sms: int, kernels: dict) -> None:
+        m, dt = spec, spec.dtype_bytes
+        h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_per_gpu
+        self.N = num_sms
+        self.k = kernels
+        # layer GEMMs (n_out, k_in): QKV, O, gate-up, down
+        self.gemms = ((q + 2 * kv, h), (h, q), (2 * f, h), (h, f))
+        self.layer_weight_bytes = float(m.layer_params * dt)
+        self.layer_flops_per_token = 2.0 * sum(a * b for a, b in self.gemms)
+        self.kv_bytes = float(2 * kv * dt)  # K and V of one token, one layer
+        self.attn_flops_per_pair = 4.0 * m.head_dim * m.heads_per_gpu
+        self.kv_heads = m.kv_heads_per_gpu
+        tm, tn = kernels["tile_m"], kernels["tile_n"]
+        self.tile_m = tm
+        self.col_tiles = [float(-(-a // tn)) for a, _ in self.gemms]
+        self.wave_flops = [2.0 * tm * tn * b for _, b in self.gemms]  # one tile, one SM
+        self.buckets = tuple(kernels["graph_buckets"])
+
+    # ---------------------------------------------------------------- helpers
+    def bucket(self, seqs: int) -> int:
+        for b in self.buckets:
+            if seqs <= b:
+                return b
+        return seqs
+
+    def gemm_waves(self, rows: float, n) -> Any:
+        """sum over the layer GEMMs of waves x tile FLOPs: ceil(row tiles x column tiles / n) x 2 tm tn K.
+        (FLOPs one SM does, wave quantization included.)"""
+        rt = float(-(-int(rows) // self.tile_m))
+        out = 0.0
+        if isinstance(n, np.ndarray):
+            for ct, wf in zip(self.col_tiles, self.wave_flops):
+                out = out + np.ceil(rt * ct / n) * wf
+        else:
+            for ct, wf in zip(self.col_tiles, self.wave_flops):
+                out = out + math.ceil(rt * ct / n) * wf
+        return out
+
+    def splits(self, seqs: int, max_context: int) -> int:
+        k = self.k
+        want = -(-k["attn_target_programs"] // max(1, seqs * self.kv_heads))
+        return max(1, min(want, k["attn_max_splits"], -(-max(1, max_context) // k["attn_block_n"])))
+
+    # ---------------------------------------------------------------- per family
+    def decode(self, w: Work, n, kv=None, max_kv=None) -> dict:
+        """One decode step of ``w`` (``kv``/``max_kv`` override its KV tokens: arrays over fused steps)."""
+        L = float(w.num_layers)
+        kv = float(w.kv_read) if kv is None else kv
+        mk = float(w.max_kv or (w.kv_read / max(1, w.seqs))) if max_kv is None else max_kv
+        b = self.bucket(w.seqs)
+        per_block = self.k["attn_block_n"]
+        s = float(self.splits(b, self.k["graph_context"]))
+        # tokens of the longest attention program: ceil(ceil(max_kv / splits) / block_n) * block_n
+        if isinstance(mk, np.ndarray):
+            longest = np.ceil(np.ceil(mk / s) / per_block) * per_block
+        else:
+            longest = float(math.ceil(math.ceil(mk / s) / per_block) * per_block)
+        gemv = w.seqs == 1
+        return {
+            "weights": 0.0 if gemv else L * self.layer_weight_bytes * 1e-9,
+            "weights_gemv": L * self.layer_weight_bytes * 1e-9 if gemv else 0.0,
+            "kv": L * kv * self.kv_bytes * 1e-9,
+            "longest": L * longest * 1e-3,
+            "rows": L * b * 1e-3,
+            "gemm_waves": 0.0 if gemv else L * self.gemm_waves(b, n) * 1e-12,
+            "layers": L * 1e-3,
+            "launch": 1e-3,
+        }
+
+    @staticmethod
+    def prefix(w: Work) -> float:
+        """Cached-prefix tokens of the longest chunk: max_kv - tokens (exact for one prompt; a mixed launch's
+        one-token decode rows, whose KV the paged decode kernel reads, count only through ``kv``)."""
+        mk = w.max_kv or w.kv_read // max(1, w.seqs)
+        return float(max(0, min(w.kv_read, mk) - w.tokens))
+
+    def eager(self, w: Work, n) -> dict:
+        L, t = float(w.num_layers), float(w.tokens)
+        p = self.prefix(w)
+        return {
+            "gemm_flops": L * t * self.layer_flops_per_token * 1e-12 / self.N,
+            "gemm_waves": L * self.gemm_waves(t, n) * 1e-12,
+            "weights": L * self.layer_weight_bytes * 1e-9,
+            "attn": L * w.attn_pairs * self.attn_flops_per_pair * 1e-12 / self.N,
+            "prefix_attn": L * t * p * self.attn_flops_per_pair * 1e-12 / self.N,
+            "prefix_kv": L * p * self.kv_bytes * 1e-9,
+            "kv": L * w.kv_read * self.kv_bytes * 1e-9,
+            "tokens": L * t * 1e-6,
+            "seq_layers": L * w.seqs * 1e-3,
+            "samples": w.samples * 1e-3,
+            "layers": L * 1e-3,
+            "launch": 1e-3,
+        }
+
+    def host(self, w: Work) -> dict:
+        L = float(w.num_layers)
+        return {"layers": L * 1e-3, "seq_layers": L * w.seqs * 1e-3, "tokens": w.tokens * 1e-6,
+                "prefix_tokens": self.prefix(w) * 1e-6, "launch": 1e-3}
+
+    def bytes_of(self, w: Work) -> float:
+        """HBM bytes a launch moves: weights once, KV read, activations (for the co-runner's demand)."""
+        L = float(w.num_layers)
+        return L * (self.layer_weight_bytes + w.kv_read * self.kv_bytes + w.tokens * 8.0 * self.kv_bytes)
+
+
+def basis_table(name: str, num_sms: int) -> np.ndarray:
+    """Values of an SM basis function for SM counts 0..num_sms (index 0 unused, finite)."""
+    n = np.arange(num_sms + 1, dtype=np.float64)
+    n[0] = 1.0
+    if name == "one":
+        return np.ones(num_sms + 1)
+    if name == "full":
+        out = np.zeros(num_sms + 1)
+        out[num_sms] = 1.0
+        return out
+    if name.startswith("k") and name[1:].isdigit():
+        return num_sms / np.minimum(n, float(int(name[1:])))
+    raise ValueError(f"unknown SM basis {name!r} (one, full, or k<knot>)")
+
+
+class Linear:
+    """One family: ``sum_i coef_i * quantity_i * basis_i(n)``, folded at load into one per-SM-count weight
+    table per quantity (``table[q][n] = sum of coef * basis(n) over q's terms``)."""
+
+    def __init__(self, terms: list[tuple[str, str]], coef: list[float], num_sms: int) -> None:
+        if len(terms) != len(coef):
+            raise ValueError(f"{len(terms)} terms but {len(coef)} coefficients")
+        self.terms, self.coef = [tuple(t) for t in terms], [float(c) for c in coef]
+        tables: dict[str, np.ndarray] = {}
+        for (q, b), c in zip(self.terms, self.coef):
+            if c:
+                tables[q] = tables.get(q, np.zeros(num_sms + 1)) + c * basis_table(b, num_sms)
+        self.quantities = tuple(tables)
+        self.arrays = [tables[q] for q in self.quantities]
+        self.lists = [a.tolist() for a in self.arrays]
+
+    def scalar(self, qv: dict, n: int) -> float:
+        out = 0.0
+        for q, tab in zip(self.quantities, self.lists):
+            out += qv[q] * tab[n]
+        return out
+
+    def array(self, qv: dict, n: np.ndarray) -> np.ndarray:
+        out = np.zeros(n.shape if isinstance(n, np.ndarray) else ())
+        for q, tab in zip(self.quantities, self.arrays):
+            out = out + qv[q] * tab[n]
+        return out
+
+
+class FittedModel:
+    """The fitted latency model: ``FittedModel.load(path, model=spec, gpu=gpu)``, or from the dict that
+    ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
+    host time of eager launches out (see the module docstring)."""
+
+    def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
+        self.data, self.source, self.host = data, source, host
+        try:
+            if data.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} file (format={data.get('format')!r})")
+            if data.get("version") != FORMAT_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, this bullet reads {FORMAT_VERSION}")
+            ms = data["model_spec"]
+            self.spec = ModelSpec(**{k: ms[k] for k in ("name", *SHAPE_KEYS)})
+            self.gpu_name = str(data["gpu"]["name"])
+            self.num_sms = N = int(data["gpu"]["num_sms"])
+            self.kernels = {**DEFAULT_KERNELS, **data.get("kernels", {})}
+            self.q = Quantities(self.spec, N, self.kernels)
+            fam = data["families"]
+            self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
+        self._demand: dict[tuple, Any] = {}
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: str | Path, model: ModelSpec | None = None, gpu: GpuSpec | None = None,
+             host: bool = EAGER_HOSTED) -> FittedModel:
+        """Read a model JSON; with ``model``/``gpu`` given, refuse one fitted for another model or GPU."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the fitted model: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: line {e.lineno}: not JSON: {e.msg}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: not a valid fitted latency model: the top level is not an object")
+        out = cls(data, host, str(path))
+        out.check(model, gpu)
+        return out
+
+    def check(self, model: ModelSpec | None, gpu: GpuSpec | None) -> None:
+        """Raise ModelMismatch naming both sides when this model was fitted for another model or GPU."""
+        if gpu is not None and (gpu.name.lower() != self.gpu_name.lower() or gpu.num_sms != self.num_sms):
+            raise ModelMismatch(f"{self.source}: fitted for GPU {self.gpu_name} ({self.num_sms} SMs), "
+                                f"not for {gpu.name} ({gpu.num_sms} SMs)")
+        if model is not None:
+            mine = {k: getattr(self.spec, k) for k in SHAPE_KEYS}
+            theirs = {k: getattr(model, k) for k in SHAPE_KEYS}
+            if mine != theirs:
+                diff = ", ".join(f"{k} {mine[k]} vs {theirs[k]}" for k in SHAPE_KEYS if mine[k] != theirs[k])
+                raise ModelMismatch(f"{self.source}: fitted for model {self.spec.name}, not for {model.name} "
+                                    f"(shapes differ: {diff})")
+
+    @property
+    def name(self) -> str:
+        return f"fitted {self.spec.name}@{self.gpu_name}"
+
+    # ---------------------------------------------------------------- the LatencyModel protocol
+    def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
+        """Seconds for ``work`` on ``num_sms`` SMs (int, or an array -> array) while ``co`` runs on
+        ``co_sms`` other SMs (None / 0: alone)."""
+        if work.tokens < 1:
+            raise ValueError(f"a launch needs at least one token, got {work!r}")
+        n, arr = self._sms(num_sms)
+        if co is not None and not arr and co_sms:
+            n, co_sms = self._shared(n, int(co_sms), work, co)
+        if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
+            qv = self.q.decode(work, n)
+            t = self.f["decode_first"].array(qv, n) if arr else self.f["decode_first"].scalar(qv, n)
+            if co is not None and np.any(co_sms):
+                t = t * (1.0 + self._slowdown("co_decode", n, co, co_sms, arr))
+            return t
+        qv = self.q.eager(work, n)
+        t = self.f["eager"].array(qv, n) if arr else self.f["eager"].scalar(qv, n)
+        if co is not None and np.any(co_sms):
+            t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr))
+        if self.host:
+            h = self.host_time(work)
+            t = np.maximum(t, h) if arr else max(t, h)
+        return t
+
+    def decode_steps(self, work: Work, steps: int, num_sms, co: Work | None = None, co_sms=0) -> np.ndarray:
+        """Seconds of each of ``steps`` fused decode steps: the first (``decode_first``), then the later ones
+        (``decode_step``) with every sequence one token longer each step."""
+        n, arr = self._sms(num_sms)
+        if arr:
+            raise ValueError("decode_steps takes one SM count")
+        if work.tokens < 1:
+            raise ValueError(f"a launch needs at least one token, got {work!r}")
+        if co is not None and co_sms:
+            n, co_sms = self._shared(n, int(co_sms), work, co)
+        out = np.empty(steps)
+        if steps < 1:
+            return out
+        out[0] = self.f["decode_first"].scalar(self.q.decode(work, n), n)
+        if steps > 1:
+            i = np.arange(1, steps, dtype=np.float64)
+            mk = float(work.max_kv or (work.kv_read / max(1, work.seqs)))
+            qv = self.q.decode(work, n, work.kv_read + i * work.seqs, mk + i)
+            out[1:] = self.f["decode_step"].array(qv, np.full(steps - 1, n, dtype=np.intp))
+        if co is not None and co_sms:
+            out *= 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
+        return out
+
+    # ---------------------------------------------------------------- parts
+    def host_time(self, work: Work) -> float:
+        """Host seconds of an eager launch (``GpuExecutor.launch``)."""
+        return self.f["host"].scalar(self.q.host(work), 0)
+
+    def gpu_time(self, work: Work, n: int) -> float:
+        """Stand-alone GPU seconds (no host time, no co-runner)."""
+        if work.tokens == work.seqs:
+            return self.f["decode_first"].scalar(self.q.decode(work, n), n)
+        return self.f["eager"].scalar(self.q.eager(work, n), n)
+
+    def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
+        """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``."""
+        N = self.num_sms
+        if arr or isinstance(co_sms, np.ndarray):
+            csm = np.broadcast_to(np.asarray(co_sms, dtype=np.intp), np.shape(n))
+            u = self.q.bytes_of(co) / self._co_alone_array(co, csm) * 1e-12
+            return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N}
+        key = (co, co_sms)
+        u = self._demand.get(key)
+        if u is None:
+            if len(self._demand) >= 8192:
+                self._demand.clear()
+            u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
+        return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N}
+
+    def _co_alone_array(self, co: Work, csm: np.ndarray) -> np.ndarray:
+        if co.tokens == co.seqs:
+            return self.f["decode_first"].array(self.q.decode(co, csm), csm)
+        return self.f["eager"].array(self.q.eager(co, csm), csm)
+
+    def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool):
+        qv = self.co_features(n, co, co_sms, arr)
+        fam = self.f[family]
+        if arr:
+            return fam.array(qv, np.zeros(np.shape(n), dtype=np.intp))
+        return fam.scalar(qv, 0)
+
+    def _sms(self, num_sms):
+        if isinstance(num_sms, (int, np.integer)) or np.ndim(num_sms) == 0:
+            n = int(num_sms)
+            if not 1 <= n <= self.num_sms:
+                raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
+            return n, False
+        n = np.asarray(num_sms, dtype=np.intp)
+        if n.size and (n.min() < 1 or n.max() > self.num_sms):
+            raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
+        return n, True
+
+    def _shared(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
+        """Overlapping lanes (both on the whole GPU) split the SMs they share in proportion to sqrt(tokens)
+        of each launch (the roofline's assumption; the profile has no such points)."""
+        overlap = n + co_sms - self.num_sms
+        if overlap <= 0:
+            return n, co_sms
+        mine = math.sqrt(work.tokens) / (math.sqrt(work.tokens) + math.sqrt(co.tokens))
+        take = min(overlap - 1, max(1, round(overlap * mine)))
+        return max(1, n - overlap + take), max(1, co_sms - take)
