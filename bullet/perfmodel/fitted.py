@@ -375,7 +375,8 @@ class FittedModel:
         N = self.num_sms
         if arr or isinstance(co_sms, np.ndarray):
             csm = np.broadcast_to(np.asarray(co_sms, dtype=np.intp), np.shape(n))
-            u = self.q.bytes_of(co) / self._co_alone_array(co, csm) * 1e-12
+            on = csm > 0  # no co-runner where it has no SMs: no slowdown
+            u = np.where(on, self.q.bytes_of(co) / self._co_alone_array(co, np.maximum(csm, 1)) * 1e-12, 0.0)
             return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N}
         key = (co, co_sms)
         u = self._demand.get(key)
