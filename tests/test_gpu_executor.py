@@ -183,13 +183,13 @@ def test_layer_slices_equal_full_pass(weights):
     (a,) = full.wait(None)
     sliced = direct_executor(weights)
     for layer in range(SPEC.num_layers):
-        sliced.launch(Batch(Partition("prefill", 96), range(layer, layer + 1), chunks))
+        sliced.launch(Batch(Partition("prefill", 92), range(layer, layer + 1), chunks))
         assert sliced.busy("prefill") and not sliced.busy("decode")
         (b,) = sliced.wait(None)
         assert not sliced.busy("prefill")
     assert np.all(b.tokens >= 0) and np.array_equal(a.tokens, b.tokens)
     # the sampled token is the next decode input (fed from the device-side slot)
-    dec = Batch(Partition("decode", 36), range(SPEC.num_layers),
+    dec = Batch(Partition("decode", 40), range(SPEC.num_layers),
                 (Chunk(0, 9, 1, (0, 1, 2), True), Chunk(1, 5, 1, (3, 4), True)), steps=3)
     sliced.launch(dec)
     (c,) = sliced.wait(None)
@@ -206,7 +206,7 @@ def test_launch_rules(weights):
         ex.launch(b)
     assert len(ex.wait(None)) == 1 and ex.wait(None) == []
     with pytest.raises(RuntimeError, match="hidden state"):  # a slice that continues nothing
-        ex.launch(Batch(Partition("prefill", 96), range(1, 2), (Chunk(5, 0, 3, (1,), True),)))
+        ex.launch(Batch(Partition("prefill", 92), range(1, 2), (Chunk(5, 0, 3, (1,), True),)))
     t = ex.now()
     assert ex.wait(t + 0.01) == [] and ex.now() >= t + 0.01  # idles until the horizon
     ex.release(0)
@@ -304,13 +304,13 @@ def _corun(ex, spec):
         chunks = tuple(Chunk(base + i, 0, 300, tables[i], True, dec_prompt[i]) for i in range(16))
         ex.launch(Batch(Partition("all", 132), range(4), chunks))
         (r,) = ex.wait(None)
-        dec = Batch(Partition("decode", 36), range(4),
+        dec = Batch(Partition("decode", 40), range(4),
                     tuple(Chunk(base + i, 300, 1, tables[i], True) for i in range(16)), steps=8)
         pre = Chunk(base + 99, 0, 3000, table(3000), True, pre_prompt)
         return r.tokens, dec, pre
 
     def prefill(pre):
-        return [Batch(Partition("prefill", 96), range(i, i + 1), (pre,)) for i in range(4)]
+        return [Batch(Partition("prefill", 92), range(i, i + 1), (pre,)) for i in range(4)]
 
     t0, dec_a, pre_a = setup(0)
     for b in prefill(pre_a):  # alone
