@@ -1,7 +1,7 @@
 """Simulator speed: the whole `bullet simulate` command (interpreter start, imports, trace load, simulation,
 metrics) on the full Azure 2023 conversation trace, Llama-3.1-8B on an H200. Prints a table.
 
-    python bench/sim_speed.py [--repeats 3] [--policy chunked ...]
+    python bench/sim_speed.py [--repeats 3] [--policy chunked ...] [--latency roofline fitted PATH ...]
 
 The issue's target: <= 3.5 s wall on a 2-core machine, i.e. >= 1000x faster than the trace's 3,502 s.
 """
@@ -25,23 +25,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", nargs="+", default=["chunked"])
     ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--latency", nargs="+", default=["auto"],
+                    help="latency models to time: auto, roofline, fitted, or model JSON paths (`bullet fit`)")
     args = ap.parse_args()
     rows = []
     for policy in args.policy:
-        walls, summary = [], None
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "bullet.cli", "simulate", "--trace", args.trace,
-                                  "--policy", policy, "--json"], capture_output=True, text=True, check=True)
-            walls.append(time.perf_counter() - t0)
-            summary = json.loads(out.stdout)
-        wall = statistics.median(walls)
-        rows.append((policy, summary["requests"], summary["duration_s"], summary["launches"],
-                     summary["sim_wall_s"], wall, summary["duration_s"] / wall))
-    head = ("policy", "requests", "simulated s", "launches", "simulate() s", "command wall s", "x real time")
+        for latency in args.latency:
+            walls, summary = [], None
+            for _ in range(args.repeats):  # the models interleave within a policy (machine drift hits both)
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, "-m", "bullet.cli", "simulate", "--trace", args.trace,
+                                      "--policy", policy, "--latency", latency, "--json"], capture_output=True,
+                                     text=True, check=True)
+                walls.append(time.perf_counter() - t0)
+                summary = json.loads(out.stdout)
+            wall = statistics.median(walls)
+            rows.append((policy, summary.get("latency_model", latency), summary["requests"], summary["duration_s"],
+                         summary["launches"], summary["sim_wall_s"], wall, summary["duration_s"] / wall))
+    head = ("policy", "latency model", "requests", "simulated s", "launches", "simulate() s", "command wall s",
+            "x real time")
     print(" | ".join(head))
     for r in rows:
-        print(f"{r[0]} | {r[1]} | {r[2]:.0f} | {r[3]} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.0f}x")
+        print(f"{r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.0f}x")
 
 
 if __name__ == "__main__":

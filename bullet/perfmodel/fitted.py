@@ -141,6 +141,10 @@ class Quantities:
                 out = out + math.ceil(rt * ct / n) * wf
         return out
 
+    def graph_splits(self, seqs: int) -> float:
+        """Attention slices per (sequence, KV head) of a decode graph of ``seqs`` rows (its bucket)."""
+        return float(self.splits(self.bucket(seqs), self.k["graph_context"]))
+
     def splits(self, seqs: int, max_context: int) -> int:
         k = self.k
         want = -(-k["attn_target_programs"] // max(1, seqs * self.kv_heads))
@@ -149,28 +153,37 @@ class Quantities:
     # ---------------------------------------------------------------- per family
     def decode(self, w: Work, n, kv=None, max_kv=None) -> dict:
         """One decode step of ``w`` (``kv``/``max_kv`` override its KV tokens: arrays over fused steps)."""
+        out = self.decode_static(w, n)
+        out["kv"], out["longest"] = self.decode_var(w, kv, max_kv)
+        return out
+
+    def decode_static(self, w: Work, n) -> dict:
+        """The quantities of a decode step that do not change from step to step."""
         L = float(w.num_layers)
-        kv = float(w.kv_read) if kv is None else kv
-        mk = float(w.max_kv or (w.kv_read / max(1, w.seqs))) if max_kv is None else max_kv
         b = self.bucket(w.seqs)
-        per_block = self.k["attn_block_n"]
-        s = float(self.splits(b, self.k["graph_context"]))
-        # tokens of the longest attention program: ceil(ceil(max_kv / splits) / block_n) * block_n
-        if isinstance(mk, np.ndarray):
-            longest = np.ceil(np.ceil(mk / s) / per_block) * per_block
-        else:
-            longest = float(math.ceil(math.ceil(mk / s) / per_block) * per_block)
         gemv = w.seqs == 1
         return {
             "weights": 0.0 if gemv else L * self.layer_weight_bytes * 1e-9,
             "weights_gemv": L * self.layer_weight_bytes * 1e-9 if gemv else 0.0,
-            "kv": L * kv * self.kv_bytes * 1e-9,
-            "longest": L * longest * 1e-3,
             "rows": L * b * 1e-3,
             "gemm_waves": 0.0 if gemv else L * self.gemm_waves(b, n) * 1e-12,
             "layers": L * 1e-3,
             "launch": 1e-3,
         }
+
+    def decode_var(self, w: Work, kv=None, max_kv=None, splits: float | None = None) -> tuple:
+        """(``kv``, ``longest``) of a decode step: KV bytes read, and the tokens of the longest attention
+        program, ceil(ceil(max_kv / splits) / block_n) * block_n (the graph's split for its capacity)."""
+        L = float(w.num_layers)
+        kv = float(w.kv_read) if kv is None else kv
+        mk = float(w.max_kv or (w.kv_read / max(1, w.seqs))) if max_kv is None else max_kv
+        per_block = self.k["attn_block_n"]
+        s = self.graph_splits(w.seqs) if splits is None else splits
+        if isinstance(mk, np.ndarray):
+            longest = np.ceil(np.ceil(mk / s) / per_block) * per_block
+        else:
+            longest = float(math.ceil(math.ceil(mk / s) / per_block) * per_block)
+        return L * kv * self.kv_bytes * 1e-9, L * longest * 1e-3
 
     @staticmethod
     def prefix(w: Work) -> float:
@@ -223,9 +236,14 @@ def basis_table(name: str, num_sms: int) -> np.ndarray:
     raise ValueError(f"unknown SM basis {name!r} (one, full, or k<knot>)")
 
 
+VARYING = ("kv", "longest")  # the decode quantities that change from one fused step to the next
+
+
 class Linear:
     """One family: ``sum_i coef_i * quantity_i * basis_i(n)``, folded at load into one per-SM-count weight
-    table per quantity (``table[q][n] = sum of coef * basis(n) over q's terms``)."""
+    table per quantity (``table[q][n] = sum of coef * basis(n) over q's terms``). Quantities are summed in
+    a fixed order, those in VARYING last, so a decode step is ``const + kv * w_kv + longest * w_longest``
+    with ``const`` memoisable; every path does the same operations in the same order."""
 
     def __init__(self, terms: list[tuple[str, str]], coef: list[float], num_sms: int) -> None:
         if len(terms) != len(coef):
@@ -235,9 +253,14 @@ class Linear:
         for (q, b), c in zip(self.terms, self.coef):
             if c:
                 tables[q] = tables.get(q, np.zeros(num_sms + 1)) + c * basis_table(b, num_sms)
-        self.quantities = tuple(tables)
-        self.arrays = [tables[q] for q in self.quantities]
+        order = [q for q in tables if q not in VARYING] + [q for q in VARYING if q in tables]
+        self.quantities = tuple(order)
+        self.arrays = [tables[q] for q in order]
         self.lists = [a.tolist() for a in self.arrays]
+        self.static = [(q, t) for q, t in zip(order, self.lists) if q not in VARYING]
+        zero = [0.0] * (num_sms + 1)
+        self.w_kv = tables["kv"].tolist() if "kv" in tables else zero
+        self.w_longest = tables["longest"].tolist() if "longest" in tables else zero
 
     def scalar(self, qv: dict, n: int) -> float:
         out = 0.0
@@ -250,6 +273,13 @@ class Linear:
         for q, tab in zip(self.quantities, self.arrays):
             out = out + qv[q] * tab[n]
         return out
+
+    def parts(self, qv: dict, n: int) -> tuple[float, float, float]:
+        """(sum of the non-varying terms, weight of kv, weight of longest) on ``n`` SMs."""
+        out = 0.0
+        for q, tab in self.static:
+            out += qv[q] * tab[n]
+        return out, self.w_kv[n], self.w_longest[n]
 
 
 class FittedModel:
@@ -276,6 +306,7 @@ class FittedModel:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
         self._demand: dict[tuple, Any] = {}
+        self._parts: dict[tuple, tuple[float, float, float]] = {}
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -322,8 +353,10 @@ class FittedModel:
         if co is not None and not arr and co_sms:
             n, co_sms = self._shared(n, int(co_sms), work, co)
         if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
-            qv = self.q.decode(work, n)
-            t = self.f["decode_first"].array(qv, n) if arr else self.f["decode_first"].scalar(qv, n)
+            if arr:
+                t = self.f["decode_first"].array(self.q.decode(work, n), n)
+            else:
+                t = self._decode_step("decode_first", work, n)
             if co is not None and np.any(co_sms):
                 t = t * (1.0 + self._slowdown("co_decode", n, co, co_sms, arr))
             return t
@@ -349,17 +382,34 @@ class FittedModel:
         out = np.empty(steps)
         if steps < 1:
             return out
-        out[0] = self.f["decode_first"].scalar(self.q.decode(work, n), n)
+        out[0] = self._decode_step("decode_first", work, n)
         if steps > 1:
             i = np.arange(1, steps, dtype=np.float64)
             mk = float(work.max_kv or (work.kv_read / max(1, work.seqs)))
-            qv = self.q.decode(work, n, work.kv_read + i * work.seqs, mk + i)
-            out[1:] = self.f["decode_step"].array(qv, np.full(steps - 1, n, dtype=np.intp))
+            const, w_kv, w_longest, splits = self._decode_parts("decode_step", work, n)
+            kv, longest = self.q.decode_var(work, work.kv_read + i * work.seqs, mk + i, splits)
+            out[1:] = const + kv * w_kv + longest * w_longest
         if co is not None and co_sms:
             out *= 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
         return out
 
     # ---------------------------------------------------------------- parts
+    def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float]:
+        """(const, w_kv, w_longest, splits), memoised: decode launches repeat (layers, batch, SMs)."""
+        key = (family, work.num_layers, work.seqs, n)
+        parts = self._parts.get(key)
+        if parts is None:
+            if len(self._parts) >= 65536:
+                self._parts.clear()
+            const, w_kv, w_longest = self.f[family].parts(self.q.decode_static(work, n), n)
+            parts = self._parts[key] = (const, w_kv, w_longest, self.q.graph_splits(work.seqs))
+        return parts
+
+    def _decode_step(self, family: str, work: Work, n: int) -> float:
+        const, w_kv, w_longest, splits = self._decode_parts(family, work, n)
+        kv, longest = self.q.decode_var(work, splits=splits)
+        return const + kv * w_kv + longest * w_longest
+
     def host_time(self, work: Work) -> float:
         """Host seconds of an eager launch (``GpuExecutor.launch``)."""
         return self.f["host"].scalar(self.q.host(work), 0)
@@ -367,7 +417,7 @@ class FittedModel:
     def gpu_time(self, work: Work, n: int) -> float:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
         if work.tokens == work.seqs:
-            return self.f["decode_first"].scalar(self.q.decode(work, n), n)
+            return self._decode_step("decode_first", work, n)
         return self.f["eager"].scalar(self.q.eager(work, n), n)
 
     def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
