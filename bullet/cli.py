@@ -58,13 +58,25 @@ def simulate(
              "overrides --slo-ttft.")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
     max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step: the chunk size of "
-                                                         "chunked prefill / prefill-first.")] = 8192,
+                                                         "chunked prefill / prefill-first; for bullet, the "
+                                                         "cap on its prefill batch (it batches up to where "
+                                                         "the latency model says GEMMs stop gaining).")] = 8192,
     prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition, a prefill "
                                                   "size of the GPU's nested menu (H200: 20, 28, ..., 124); "
                                                   "decode gets the rest.")]
     = 92,
     layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per "
-                                                               "launch (default: all).")] = None,
+                                                               "launch (default: all; bullet: 8).")] = None,
+    slo_margin: Annotated[float, typer.Option(help="bullet: plan decode steps to fit each request's TPOT "
+                                                   "budget with this fraction to spare (latency model error).",
+                                              min=0.0, max=0.99)] = 0.1,
+    admission_control: Annotated[bool, typer.Option(help="bullet: reject at once a request predicted to miss "
+                                                         "its TTFT (counted as rejected) instead of serving "
+                                                         "it best-effort behind the others.")] = False,
+    decode_sizes: Annotated[str | None, typer.Option(help="bullet: comma-separated decode partition sizes it "
+                                                          "may use (default: the whole decode menu; on a GPU "
+                                                          "each size used costs its own decode graphs).")]
+    = None,
     block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
     num_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: sized from GPU "
                                                            "memory).")] = None,
@@ -106,9 +118,16 @@ def simulate(
     try:
         model_spec = resolve_model(model, tp)
         gpu_spec = resolve_gpu(gpu)
+        sizes = None
+        if decode_sizes:
+            try:
+                sizes = tuple(int(x) for x in decode_sizes.split(","))
+            except ValueError:
+                raise ConfigError(f"--decode-sizes must be comma-separated integers, got {decode_sizes!r}") from None
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
-                                layers_per_step=layers_per_step)
+                                layers_per_step=layers_per_step, slo_margin=slo_margin,
+                                admission_control=admission_control, decode_sizes=sizes)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))

@@ -335,8 +335,8 @@ class SloConfig:
         return self.ttft_per_token * prompt_len if self.ttft_per_token is not None else self.ttft
 
 
-PolicyName = Literal["chunked", "prefill-first", "static-split", "naive-concurrent"]
-POLICIES: tuple[str, ...] = ("chunked", "prefill-first", "static-split", "naive-concurrent")
+PolicyName = Literal["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
+POLICIES: tuple[str, ...] = ("chunked", "prefill-first", "static-split", "naive-concurrent", "bullet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +347,10 @@ class SchedulerConfig:
     prefill_sms: int = 92  # static-split: SMs of the prefill lane (the nested menu's); decode gets the rest
     layers_per_step: int | None = None  # split lanes: prefill layers per launch (None: all)
     max_decode_steps: int = 1 << 30  # cap on decode steps fused into one launch (between events)
+    # bullet: a predicted decode step must fit each request's TPOT budget with this much to spare (model error)
+    slo_margin: float = 0.1
+    admission_control: bool = False  # bullet: reject at once a request predicted to miss its TTFT (else best-effort)
+    decode_sizes: tuple[int, ...] | None = None  # bullet: the decode partition sizes it may use (None: the menu)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -354,3 +358,7 @@ class SchedulerConfig:
         _positive(self, "max_num_seqs", "max_batched_tokens", "prefill_sms", "max_decode_steps")
         if self.layers_per_step is not None:
             _positive(self, "layers_per_step")
+        if not 0 <= self.slo_margin < 1:
+            raise ConfigError("SchedulerConfig.slo_margin must be in [0, 1)")
+        if self.decode_sizes is not None and not self.decode_sizes:
+            raise ConfigError("SchedulerConfig.decode_sizes must name at least one size")

@@ -14,8 +14,8 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
           on_finish: Callable[[Request], None] | None = None) -> list[Request]:
     """Feed ``requests`` (by arrival time) to ``scheduler``, run its batches on ``executor`` until every
     request has finished; returns them in finishing order. ``on_step`` sees every launch's result. A request
-    the scheduler refuses (longer than the model's context or the whole KV cache) is returned at once with
-    ``error`` set, and the others go on."""
+    the scheduler refuses (longer than the model's context or the whole KV cache, or turned away by admission
+    control) is returned at once with ``error`` set, and the others go on."""
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     total, nxt = len(pending), 0
     finished: list[Request] = []
@@ -39,6 +39,13 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
                 batch = scheduler.schedule(lane, now, horizon)
                 if batch is not None:
                     executor.launch(batch)
+        if scheduler.rejected:  # admission control turned these away (Request.error says why)
+            for req in scheduler.rejected:
+                finished.append(req)
+                if on_finish is not None:
+                    on_finish(req)
+            scheduler.rejected.clear()
+            continue  # plan again: the queue changed
         if horizon is None and not any(executor.busy(lane) for lane in lanes):
             raise SchedulingError(f"stalled at t={now:.3f}s with {len(scheduler.waiting)} waiting and "
                                   f"{len(scheduler.running)} running requests and nothing schedulable")

@@ -84,7 +84,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     base = latency or default_latency_model(model, gpu)
     latency = CachedLatency(base)
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
-    scheduler = make_scheduler(sched, model, gpu, kv, latency)
+    scheduler = make_scheduler(sched, model, gpu, kv, latency, slo=slo)
     timeline = Timeline()
     gc_was_on = gc.isenabled()
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing

@@ -90,6 +90,7 @@ def check_against_reference(weights, done, reqs):
     ("prefill-first", {"max_batched_tokens": 24}),
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1}),
     ("naive-concurrent", {"max_batched_tokens": 32}),
+    ("bullet", {"max_batched_tokens": 32, "layers_per_step": 1}),
 ])
 def test_serve_matches_reference(weights, policy, cfg):
     reqs = make_requests(7, seed=1, with_ids=True)
@@ -104,7 +105,7 @@ def test_serve_matches_reference(weights, policy, cfg):
         assert np.all((res.tokens >= 0) == (samples[None, :] & full))
     if policy != "prefill-first":  # its decode waits for each prefill: no fused stretches here
         assert any(res.batch.steps > 1 for res in steps)
-    if policy == "static-split":
+    if policy in ("static-split", "bullet"):
         assert any(res.batch.layers.stop < SPEC.num_layers for res in steps)  # layer slices too
     if policy == "chunked":  # fused launches that start with a prefill-completing (mixed) step
         assert any(res.batch.steps > 1 and any(c.num_tokens > 1 for c in res.batch.chunks) for res in steps)
@@ -334,3 +335,60 @@ def _corun(ex, spec):
     assert overlapped
     assert np.array_equal(results["prefill"].tokens, pa.tokens)
     assert np.array_equal(results["decode"].tokens, da.tokens)
+
+
+class SimTimed:
+    """The GpuExecutor's CPU path runs every launch (its tokens come back); the simulator's clock times it, so
+    ``serve()`` sees exactly the times the simulator alone would give (a fake clock for the real executor)."""
+
+    def __init__(self, gpu_ex, sim) -> None:
+        self.gpu, self.sim, self.tokens = gpu_ex, sim, {}
+        self.now, self.busy, self.release = sim.now, sim.busy, gpu_ex.release
+
+    def launch(self, batch):
+        self.gpu.launch(batch)
+        (res,) = self.gpu.wait(None)  # the CPU path computes inside launch
+        self.tokens[batch.lane] = res.tokens
+        self.sim.launch(batch)
+
+    def wait(self, until):
+        return [dataclasses.replace(r, tokens=self.tokens.pop(r.batch.lane)) for r in self.sim.wait(until)]
+
+
+def test_bullet_parity_simulator_and_real_executor(weights):
+    """The bullet policy through serve() with the simulator, and with the real executor's CPU path on a fake
+    clock, makes the identical sequence of batches (lanes, partitions, layer slices, chunks, fused steps), and
+    the real run's outputs equal the float64 reference."""
+    from bullet.config import SloConfig
+    from simulator import SimExecutor
+
+    gpu = GPUS["h200"]
+    lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
+    slo = SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05)
+    cfg = SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1)
+
+    def go(executor_of):
+        reqs = make_requests(9, seed=4, with_ids=True)
+        for i, r in enumerate(reqs):
+            r.arrival = 0.004 * i
+        kv = BlockManager(64, 4)
+        sched = make_scheduler(cfg, SPEC, gpu, kv, lat, slo=slo)
+        steps = []
+        done = serve(reqs, sched, executor_of(), on_step=steps.append)
+        plan = [(s.batch.lane, s.batch.partition.num_sms, s.batch.layers, s.batch.steps,
+                 tuple((c.req_id, c.start, c.num_tokens, tuple(c.block_ids), c.sample) for c in s.batch.chunks),
+                 s.start, s.end) for s in steps]
+        return done, plan, reqs
+
+    _, sim_plan, _ = go(lambda: SimExecutor(lat, SPEC.num_layers, gpu))
+    from bullet.gpu.partitions import PartitionMenu
+
+    real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED, weights=weights,
+                       menu=PartitionMenu.fallback())  # the menu's sizes: the executor checks every launch
+    done, real_plan, reqs = go(lambda: SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu)))
+    real.close()
+    assert real_plan == sim_plan
+    assert len({p[1] for p in sim_plan if p[0] == "prefill"}) > 1  # the split really moved
+    assert any(p[0] == "decode" and p[1] < 132 for p in sim_plan) and any(p[2].stop < SPEC.num_layers
+                                                                             for p in sim_plan)
+    check_against_reference(weights, done, reqs)

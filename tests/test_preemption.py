@@ -22,11 +22,11 @@ from tests.test_scheduler import EchoExecutor
 MODEL = MODELS["llama-3.1-8b"]
 GPU = GPUS["h200"]
 L = MODEL.num_layers
-POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent"]
+POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
 # static-split halves the GPU (64 / 68 SMs), which LinearLatency makes each lane about 2x slower: its span may
 # legitimately be up to ~2.4x chunked's (seen over 200 random workloads); the whole-GPU policies stay within
-# 1.4x. The bug this guards against made prefill-first 3-27x slower than chunked on the same inputs.
-SPAN_FACTOR = {"prefill-first": 2.0, "naive-concurrent": 2.0, "static-split": 3.0}
+# 1.4x; bullet (decode held at 64 SMs here) splits it too. The bug this guards against made prefill-first 3-27x slower than chunked on the same inputs.
+SPAN_FACTOR = {"prefill-first": 2.0, "naive-concurrent": 2.0, "static-split": 3.0, "bullet": 3.0}
 
 
 class Spy:
@@ -63,6 +63,8 @@ class Spy:
 def run(policy, reqs, num_blocks, prefix_caching=False, **cfg):
     if policy == "static-split":
         cfg = {"prefill_sms": 68, "layers_per_step": 8, **cfg}
+    if policy == "bullet":  # one decode size: its KV behaviour, not its TPOT squeeze, is under test here
+        cfg = {"decode_sizes": (64,), **cfg}
     lat = LinearLatency(L)
     kv = BlockManager(num_blocks, 16, prefix_caching)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), MODEL, GPU, kv, lat)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..batch import Batch, Chunk, Lane, Partition, StepResult
-from ..config import GpuSpec, ModelSpec, SchedulerConfig
+from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..perfmodel import LatencyModel, Work
 from ..perfmodel.base import step_times
@@ -29,8 +29,9 @@ class Scheduler:
     lanes: tuple[Lane, ...] = ("all",)
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
-                 latency: LatencyModel, eos_token_id: int | None = None) -> None:
+                 latency: LatencyModel, eos_token_id: int | None = None, slo: SloConfig | None = None) -> None:
         self.model = model
+        self.slo = slo or SloConfig()  # the targets; only SLO-aware policies (bullet) plan with them
         self.gpu = gpu
         self.cfg = cfg
         self.kv = kv
@@ -50,6 +51,7 @@ class Scheduler:
         self.query_tokens = 0  # known tokens of the requests admitted with prefix caching on
         self._new_hits = 0  # hits admitted since the last launch (reported on that launch)
         self._hit_memo: tuple[Request, int, list[int]] | None = None
+        self.rejected: list[Request] = []  # turned away by admission control; serve() collects them
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -1,0 +1,320 @@
+"""``bullet``: SLO-aware dynamic SM provisioning between concurrent prefill and decode (after Bullet, ASPLOS'26,
+with per-request deadlines where the paper checks a P90 of predictions).
+
+Two lanes on the nested partition menu (any prefill size p and decode size d with p + d <= N are disjoint),
+re-split at every launch of either lane:
+
+* **Decode gets the fewest SMs that keep every decoding request's TPOT.** A request with ``n`` of its ``T``
+  tokens out, the first at ``t1``, meets its target ``tpot`` if its remaining ``T - n`` steps average at most
+  ``(tpot * (T - 1) - (now - t1)) / (T - n)`` (its *step budget*: slack it built up may be spent, a deficit
+  must be made up). The decode size is the smallest on the menu whose predicted step, next to the prefill
+  on the rest of the GPU, fits the tightest budget with ``slo_margin`` to spare. A request whose budget is
+  already gone (it will miss whatever happens) does not hold SMs hostage. With nothing to prefill, decode
+  takes the whole GPU, in stretches that end at the next arrival.
+* **Prefill gets the rest**, without chunking: whole prompts, batched up to the token count where the model
+  says a bigger batch stops paying (``token_target``: per-token time within 5 % of the best), advanced
+  ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
+  than the target runs alone.
+* **Queue order: earliest TTFT deadline first** (arrival + the TTFT target, absolute or per prompt token),
+  among requests predicted to meet theirs; a request predicted to miss goes behind them, ordered by its
+  deadline plus ``LATE_GRACE`` times its target, so it waits only behind requests that arrived before that
+  point: no starvation. With ``admission_control`` such a request is rejected at once instead
+  (``Request.error``; counted against attainment). Priority for KV is admission order (``base.py``), so the
+  no-livelock guarantee holds under this order too.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..batch import Batch, Chunk, Lane, Partition
+from ..config import ConfigError
+from ..perfmodel import Work, work_of
+from ..perfmodel.base import step_times
+from ..request import Request
+from .base import Scheduler
+
+LATE_GRACE = 4.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
+EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token prefill time is this close to the best
+DEFAULT_LAYERS_PER_STEP = 8
+KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
+WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
+
+
+class Bullet(Scheduler):
+    lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        gpu, cfg = self.gpu, self.cfg
+        self.N = gpu.num_sms
+        menu = gpu.decode_sizes[:-1]
+        sizes = tuple(cfg.decode_sizes) if cfg.decode_sizes else menu
+        bad = [d for d in sizes if d not in menu]
+        if bad:
+            raise ConfigError(f"decode_sizes {bad} are not on {gpu.name}'s decode menu ({', '.join(map(str, menu))})")
+        self.dec_sizes = sorted(sizes)
+        self.layers_step = cfg.layers_per_step or DEFAULT_LAYERS_PER_STEP
+        self.deadline: dict[int, float] = {}
+        self.target: dict[int, float] = {}
+        self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # chunks, reqs, next layer
+        self.prefill_until = 0.0  # predicted end of the prefill launch in flight
+        self.decode_until = 0.0  # predicted end of the decode launch in flight
+        self.pre_sizes = list(gpu.prefill_sizes[:-1])
+        self.token_target = self._token_target()
+        self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
+
+    # ---- arrivals ---------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        super().add(req)
+        target = self.slo.ttft_target(req.prompt_len)
+        self.target[req.id] = math.inf if target is None else target
+        self.deadline[req.id] = req.arrival + self.target[req.id]
+
+    def _token_target(self) -> int:
+        """Prefill tokens per batch: the smallest of 512..max_batched_tokens whose predicted per-token time on
+        the whole GPU is within EFFICIENT_WITHIN of the best (batches of 512-token prompts)."""
+        L = self.model.num_layers
+        sizes = [t for t in (512, 1024, 2048, 4096, 8192, 16384) if t <= self.cfg.max_batched_tokens]
+        if not sizes:
+            return self.cfg.max_batched_tokens
+        per_tok = []
+        for t in sizes:
+            n = t // 512
+            work = Work(L, t, n, n * 512 * 513 / 2, t, n, True, 512)
+            per_tok.append(float(self.latency.predict(work, self.N)) / t)
+        best = min(per_tok)
+        return next(t for t, x in zip(sizes, per_tok) if x <= best * (1 + EFFICIENT_WITHIN))
+
+    # ---- scheduling --------------------------------------------------------------------------------------
+    def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
+        return self._schedule_prefill(now) if lane == "prefill" else self._schedule_decode(now, horizon)
+
+    def _decode_sms(self) -> int:
+        dec = self.inflight.get("decode")
+        return dec[0].partition.num_sms if dec else 0
+
+    def _schedule_prefill(self, now: float) -> Batch | None:
+        d_cur = self._decode_sms()
+        if d_cur >= self.N:
+            return None  # decode holds the whole GPU until the next event; then the split is decided afresh
+        if self.job is None:
+            self._order(now)
+            chunks, reqs = self._take_whole()
+            if not chunks:
+                return None
+            self.job = (tuple(chunks), reqs, 0)
+        chunks, reqs, first = self.job
+        L = self.model.num_layers
+        layers = range(first, min(first + self.layers_step, L))
+        work = work_of(Batch(self.whole_gpu, layers, chunks), L)
+        p = self._prefill_want(now, work)
+        if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
+            if self.decode_until - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
+                return None
+            p = self.N - d_cur
+        batch = Batch(Partition("prefill", p), layers, chunks)
+        dec = self.inflight.get("decode")
+        co = work_of(dec[0], L) if dec else None
+        self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
+        return self._launch("prefill", batch, reqs)
+
+    def _prefill_want(self, now: float, work: Work) -> int:
+        """The prefill size for the next slice. Nothing decoding: the whole GPU. Otherwise, when the queue is
+        blocked (its head cannot be admitted: seats or KV are full), decode speed is what frees them, so
+        prefill takes the fewest SMs that still finish the job by its requests' deadlines; else prefill takes
+        all that decode does not need for its TPOT targets."""
+        decoding = self._decoding()
+        if not decoding and not self._decode_sms():
+            return self.N
+        if self.waiting and not self.admissible():
+            return max(self._prefill_need(now, self.pre_sizes), self.N - self._decode_knee(decoding, work))
+        return self.N - self._decode_need(decoding, now, work)
+
+    def _prefill_need(self, now: float, sizes: list[int]) -> int:
+        """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
+        deadline among its requests that can still meet theirs; the smallest size if none can."""
+        chunks, reqs, first = self.job
+        L = self.model.num_layers
+        left = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
+        if left is None:
+            return sizes[0]
+        rest = work_of(Batch(self.whole_gpu, range(first, L), chunks), L)
+        predict, budget = self.latency.predict, (left - now) * (1 - self.cfg.slo_margin)
+        return self._smallest(sizes, lambda p: predict(rest, p) <= budget)
+
+    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
+        chunks, reqs, _ = self.job
+        self.job = (chunks, reqs, batch.layers.stop)
+
+    def on_result(self, res):
+        done = super().on_result(res)
+        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
+            self.job = None
+        return done
+
+    def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
+        decoders = self._decoders()
+        if not decoders:
+            return None
+        pre = self.inflight.get("prefill")
+        if pre is None:  # nothing to prefill now (it would have launched first): the whole GPU
+            batch = self._decode_batch("decode", Partition("decode", self.N), decoders, now,
+                                       self.arrival_horizon(horizon))
+            self._note_decode_end(batch, now, None, 0)
+            return batch
+        p = pre[0].partition.num_sms
+        if p >= self.N:
+            return None  # prefill holds the whole GPU for this slice
+        co = work_of(pre[0], self.model.num_layers)
+        d = self.N - p  # all that prefill left (its size already counted what decode needs)
+        batch = self._decode_batch("decode", Partition("decode", d), decoders, now, self.prefill_until, co, p)
+        self._note_decode_end(batch, now, co, p)
+        return batch
+
+    def _note_decode_end(self, batch: Batch | None, now: float, co: Work | None, co_sms: int) -> None:
+        if batch is not None:
+            times = step_times(self.latency, work_of(batch, self.model.num_layers), batch.steps,
+                               batch.partition.num_sms, co, co_sms)
+            self.decode_until = now + float(times.sum())
+
+    # ---- the decode size -----------------------------------------------------------------------------
+    def _decoding(self) -> list[Request]:
+        """Running requests in their decode phase (at least one token out, not inside a prefill job)."""
+        job = self.job
+        skip = {r.id for r in job[1]} if job else ()
+        return [r for r in self.running if r.num_output and r.id not in skip]
+
+    def step_budget(self, reqs: list[Request], now: float) -> float:
+        """The tightest per-step time among ``reqs`` that still keeps its TPOT target (inf with no target);
+        requests whose budget is already spent are left out (they miss whatever the split)."""
+        tpot = self.slo.tpot
+        if tpot is None:
+            return math.inf
+        best = math.inf
+        for r in reqs:
+            left = r.max_new_tokens - r.num_output
+            if left <= 0 or r.first_token_time is None:
+                continue
+            budget = (tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)) / left
+            if 0 < budget < best:
+                best = budget
+        return best
+
+    def _decode_work(self, reqs: list[Request]) -> Work:
+        """The next decode step of ``reqs``."""
+        n = len(reqs)
+        kv = max_kv = 0
+        for r in reqs:
+            c = r.num_computed + 1
+            kv += c
+            if c > max_kv:  # noqa: PLR1730 -- an if beats a max() call in this per-request loop
+                max_kv = c
+        return Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv)
+
+    def _smallest(self, sizes: list[int], fits) -> int:
+        """The smallest of ascending ``sizes`` for which ``fits(size)`` holds (the largest if none does),
+        by bisection: predicted time falls as SMs grow."""
+        lo, hi = 0, len(sizes) - 1
+        if not fits(sizes[hi]):
+            return sizes[hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(sizes[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return sizes[lo]
+
+    def _decode_knee(self, reqs: list[Request], co: Work | None) -> int:
+        """The decode size past which more SMs barely speed the step up (within KNEE of the largest size's
+        step): memory-bound decode saturates HBM well before it has every SM (BACKGROUND.md)."""
+        if not reqs:
+            return self.dec_sizes[0]
+        work, predict, N, sizes = self._decode_work(reqs), self.latency.predict, self.N, self.dec_sizes
+        best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + KNEE)
+        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best)
+
+    def _decode_need(self, reqs: list[Request], now: float, co: Work | None) -> int:
+        """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits
+        the step budget of every request in ``reqs`` (with ``slo_margin`` to spare); the largest if none."""
+        sizes = self.dec_sizes
+        if not reqs:
+            return sizes[0]
+        budget = self.step_budget(reqs, now) * (1 - self.cfg.slo_margin)
+        if budget == math.inf:
+            return sizes[0]
+        work, predict, N = self._decode_work(reqs), self.latency.predict, self.N
+        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= budget)
+
+    # ---- the queue -----------------------------------------------------------------------------------
+    def _order(self, now: float) -> None:
+        """Order the fresh part of the queue (preempted requests stay in front, in rank order): by TTFT
+        deadline among requests predicted to meet it, then the rest by deadline + LATE_GRACE targets. With
+        admission control, the rest are rejected instead."""
+        waiting = self.waiting
+        k = 0
+        while k < len(waiting) and waiting[k].id in self.rank:
+            k += 1
+        if len(waiting) - k < 1:
+            return
+        fresh = sorted((waiting[i] for i in range(k, len(waiting))), key=lambda r: (self.deadline[r.id], r.id))
+        per_token = self._prefill_per_token()
+        t = now  # a job is ordered when the prefill lane is free
+        on_time, late = [], []
+        for r in fresh:
+            end = t + r.known * per_token
+            if end <= self.deadline[r.id]:
+                on_time.append(r)
+                t = end
+            else:
+                late.append(r)
+        self.num_late += len(late)
+        if late and self.cfg.admission_control:
+            for r in late:
+                ttft = now - r.arrival + r.known * per_token
+                r.error = (f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > target "
+                           f"{1e3 * self.target[r.id]:.0f} ms")
+                r.finish_time = now
+                self.rejected.append(r)
+                del self.deadline[r.id], self.target[r.id]
+        elif late:
+            keys = {r.id: self.deadline[r.id] for r in on_time}
+            keys.update((r.id, self.deadline[r.id] + LATE_GRACE * self.target[r.id]) for r in late)
+            on_time = sorted(on_time + late, key=lambda r: (keys[r.id], r.id))
+        for _ in range(len(waiting) - k):
+            waiting.pop()
+        waiting.extend(on_time)
+
+    def _prefill_per_token(self) -> float:
+        """Predicted prefill seconds per token on the SMs prefill has now (a token_target-sized batch)."""
+        t = self.token_target
+        n = max(1, t // 512)
+        work = Work(self.model.num_layers, t, n, n * 512 * 513 / 2, t, n, True, 512)
+        d = self._decode_sms()
+        p = self.N - d if d < self.N else self.N
+        return float(self.latency.predict(work, p)) / t
+
+    def _take_whole(self) -> tuple[list[Chunk], list[Request]]:
+        """Admit whole prompts from the head of the queue up to ``token_target`` tokens (the first one whatever
+        its length), under the KV rules of ``base.py``."""
+        chunks: list[Chunk] = []
+        reqs: list[Request] = []
+        tokens, bs = 0, self.kv.block_size
+        while self.admissible():
+            r = self.waiting[0]
+            n = r.known - len(self._hits(r)) * bs
+            if reqs and tokens + n > self.token_target:
+                break
+            self._admit(r)
+            self.kv.allocate(r.id, r.known)
+            chunks.append(self._prefill_chunk(r, r.remaining))
+            reqs.append(r)
+            self.busy.add(r.id)
+            tokens += r.remaining
+        return chunks, reqs
+
+    def _finish(self, r: Request, now: float) -> None:
+        super()._finish(r, now)
+        self.deadline.pop(r.id, None)
+        self.target.pop(r.id, None)

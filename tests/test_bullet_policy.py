@@ -1,0 +1,196 @@
+"""The ``bullet`` policy on the simulator: TPOT step budgets and decode sizes by hand, deadline order, lateness,
+no starvation, admission control, partition legality, and determinism. Latency from tests/latency.py
+(hand-computable: time scales as 132 / SMs)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bullet.config import GPUS, MODELS, SchedulerConfig, SloConfig, check_corun
+from bullet.engine import serve
+from bullet.kvcache import BlockManager
+from bullet.perfmodel import Work
+from bullet.policies import make_scheduler
+from bullet.policies.bullet import LATE_GRACE
+from bullet.request import Request
+from simulator import SimExecutor
+from tests.latency import LinearLatency
+
+MODEL, GPU = MODELS["llama-3.1-8b"], GPUS["h200"]
+L = MODEL.num_layers
+
+
+def make(slo=None, num_blocks=6000, lat=None, **cfg):
+    lat = lat or LinearLatency(L)
+    kv = BlockManager(num_blocks, 16)
+    sched = make_scheduler(SchedulerConfig(policy="bullet", **cfg), MODEL, GPU, kv, lat, slo=slo or SloConfig())
+    return sched, lat
+
+
+def run(reqs, slo=None, **cfg):
+    sched, lat = make(slo, **cfg)
+    steps = []
+    done = serve(reqs, sched, SimExecutor(lat, L, GPU), on_step=steps.append)
+    return done, steps, sched
+
+
+def decoding(i, out, first, max_new, computed):
+    r = Request(i, 0.0, 100, max_new)
+    r.num_output, r.first_token_time, r.num_computed = out, first, computed
+    return r
+
+
+def test_step_budget_by_hand():
+    sched, _ = make(SloConfig(tpot=0.1))
+    # 11 tokens at 0.1 s each: 1.0 s for the 10 steps after the first. 5 steps done in 0.5 s: 0.1 s each left.
+    assert sched.step_budget([decoding(0, 6, 0.0, 11, 105)], 0.5) == pytest.approx(0.1)
+    # the same request 0.3 s behind: its 5 remaining steps must make up for it, 0.04 s each
+    assert sched.step_budget([decoding(0, 6, 0.0, 11, 105)], 0.8) == pytest.approx(0.04)
+    # ahead of schedule: slack may be spent
+    assert sched.step_budget([decoding(0, 6, 0.0, 11, 105)], 0.25) == pytest.approx(0.15)
+    # a request already past its whole budget is left out; the tightest of the rest wins
+    reqs = [decoding(0, 6, 0.0, 11, 105), decoding(1, 6, -1.0, 11, 105), decoding(2, 2, 0.7, 101, 101)]
+    assert sched.step_budget(reqs, 0.8) == pytest.approx(0.04)
+    assert sched.step_budget(reqs[1:], 0.8) == pytest.approx((0.1 * 100 - 0.1) / 99)
+    assert make(SloConfig(tpot=None))[0].step_budget(reqs, 0.8) == math.inf
+
+
+def test_decode_size_is_the_smallest_that_keeps_tpot():
+    """LinearLatency: a step of n rows reading kv tokens takes (2e-3 + 1e-5 n + 1e-7 kv) * 132 / d seconds,
+    times ``contention`` next to a co-runner. 40 rows with 1000 tokens each: 6.4 ms * 132 / d."""
+    lat = LinearLatency(L, contention=1.25)
+    sched, _ = make(SloConfig(tpot=0.05), lat=lat, slo_margin=0.1)
+    reqs = [decoding(i, 2, 0.0, 100, 999) for i in range(40)]  # each reads 1000 tokens next step
+    step132 = 2e-3 + 1e-5 * 40 + 1e-7 * 40_000
+    co = Work(8, 4096, 1, 4096 * 4097 / 2, 4096, 0, True, 4096)
+    budget = (0.05 * 99 - 0.01) / 98 * 0.9  # at now = 0.01: each had one step's time already
+    want = min(d for d in GPU.decode_sizes[:-1] if step132 * 132 / d * 1.25 <= budget)  # 24 by hand
+    assert want == 24
+    assert sched._decode_need(reqs, 0.01, co) == want
+    # a tighter TPOT needs more SMs; one nobody can meet gets the largest decode size
+    assert make(SloConfig(tpot=0.03), lat=lat)[0]._decode_need(reqs, 0.01, co) == 40
+    assert make(SloConfig(tpot=0.001), lat=lat)[0]._decode_need(reqs, 0.01, co) == 112
+    # decode_sizes restricts the menu
+    assert make(SloConfig(tpot=0.05), lat=lat, decode_sizes=(16, 56))[0]._decode_need(reqs, 0.01, co) == 56
+
+
+def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
+    """A decode batch that needs d SMs runs next to prefill slices on N - d; with nothing decoding the prefill
+    takes the whole GPU, and decode alone takes the whole GPU."""
+    reqs = [Request(0, 0.0, 2000, 2000)] + [Request(i, 1.0, 3000, 5) for i in range(1, 4)]
+    done, steps, _ = run(reqs, SloConfig(ttft=None, tpot=0.05), layers_per_step=8)
+    first = [s for s in steps if s.batch.lane == "prefill"][:4]
+    assert {s.batch.partition.num_sms for s in first} == {132}  # request 0 alone: whole GPU
+    lone = [s for s in steps if s.batch.lane == "decode" and s.start < 1.0]
+    assert lone and {s.batch.partition.num_sms for s in lone} == {132}
+    co = [s for s in steps if s.batch.lane == "prefill" and s.start >= 1.0]
+    assert co and all(s.batch.partition.num_sms < 132 for s in co)
+    r0 = next(r for r in done if r.id == 0)
+    tpot = (r0.finish_time - r0.first_token_time) / (r0.num_output - 1)
+    assert tpot <= 0.05
+
+
+def test_edf_order_and_late_requests_go_last():
+    """Per-token TTFT: three prompts arriving together are prefilled shortest (earliest deadline) first. With
+    an absolute TTFT of 50 ms, a prompt that cannot make it even alone goes after one that can."""
+    reqs = [Request(0, 0.0, 1500, 2), Request(1, 0.0, 100, 2), Request(2, 0.0, 600, 2)]
+    done, _, _ = run(reqs, SloConfig(ttft=None, ttft_per_token=0.003, tpot=1.0), max_batched_tokens=512)
+    first = {r.id: r.first_token_time for r in done}
+    assert first[1] < first[2] < first[0]
+    # LinearLatency: 6000 prompt tokens take (2e-3 + 0.06) s > 50 ms; 100 tokens take 3 ms
+    reqs = [Request(0, 0.0, 6000, 2), Request(1, 0.0, 100, 2)]
+    done, _, sched = run(reqs, SloConfig(ttft=0.05, tpot=1.0), max_batched_tokens=512)
+    first = {r.id: r.first_token_time for r in done}
+    assert first[1] < first[0] and first[1] <= 0.05 and sched.num_late >= 1
+
+
+def overload(seed, n=120):
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / 40.0, n))  # far above what LinearLatency serves at these lengths
+    return [Request(i, float(t[i]), int(rng.integers(50, 4000)), int(rng.integers(1, 60))) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_starvation(seed):
+    """A request r is ordered no later than key(r) = arrival + (1 + LATE_GRACE) * its TTFT target, so no
+    request arriving after that point is admitted before it: every request's wait is bounded by the work
+    that arrived before its key."""
+    slo = SloConfig(ttft=0.2, tpot=1.0)
+    reqs = overload(seed)
+    done, _, _ = run(reqs, slo, max_batched_tokens=2048)
+    first = {r.id: r.first_token_time for r in done}
+    late = 0
+    for r in reqs:
+        key = r.arrival + (1 + LATE_GRACE) * 0.2
+        after = [s for s in reqs if s.arrival > key]
+        assert all(first[s.id] >= first[r.id] for s in after), r.id
+        late += first[r.id] - r.arrival > 0.2
+    assert late > 10  # the load really is an overload: many miss, none starves
+
+
+def test_admission_control_rejects_and_counts():
+    from bullet.metrics import request_columns, summarize
+
+    slo = SloConfig(ttft=0.2, tpot=1.0)
+    reqs = overload(3)
+    done, _, sched = run(reqs, slo, admission_control=True, max_batched_tokens=2048)
+    rejected = [r for r in done if r.error]
+    assert len(done) == len(reqs) and len({r.id for r in done}) == len(reqs)  # nothing lost or doubled
+    assert rejected and all("admission control" in r.error for r in rejected)
+    assert all(r.first_token_time is None and not r.token_times for r in rejected)
+    served = [r for r in done if not r.error]
+    cols = request_columns(done, slo)
+    s = summarize(done, slo, None, cols)
+    assert s["rejected"] == len(rejected)
+    on_time = sum(1 for r in served if r.first_token_time - r.arrival <= 0.2)
+    assert s["slo_attainment"] == pytest.approx(on_time / len(reqs))
+    # off (the default): nobody is rejected, the late are served best-effort
+    done, _, sched = run(overload(3), slo, max_batched_tokens=2048)
+    assert not any(r.error for r in done) and sched.num_late > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), tpot=st.sampled_from([0.02, 0.05, 0.2]), layers=st.sampled_from([1, 8, 32]),
+       blocks=st.sampled_from([400, 6000]))
+def test_launches_are_legal_and_complete(seed, tpot, layers, blocks):
+    """Random loads (a small KV pool too): every request finishes with all its tokens, every launch asks for a
+    size on its lane's menu, and launches in flight together never share SMs (the simulator would raise)."""
+    rng = np.random.default_rng(seed)
+    n = 40
+    t = np.cumsum(rng.exponential(1 / float(rng.uniform(2, 60)), n))
+    reqs = [Request(i, float(t[i]), int(rng.integers(1, 3000)), int(rng.integers(1, 200))) for i in range(n)]
+    done, steps, sched = run(reqs, SloConfig(ttft=None, ttft_per_token=0.003, tpot=tpot), layers_per_step=layers,
+                             num_blocks=blocks)
+    assert len(done) == n and all(r.num_output == r.max_new_tokens for r in done)
+    assert sched.kv.num_free == sched.kv.num_blocks
+    pre = [s for s in steps if s.batch.lane == "prefill"]
+    dec = [s for s in steps if s.batch.lane == "decode"]
+    assert all(s.batch.partition.num_sms in GPU.prefill_sizes for s in pre)
+    assert all(s.batch.partition.num_sms in GPU.decode_sizes for s in dec)
+    for p in pre:
+        for d in dec:
+            if p.start < d.end and d.start < p.end:  # in flight together
+                check_corun(p.batch.partition.num_sms, d.batch.partition.num_sms, GPU.num_sms)
+
+
+def test_deterministic():
+    slo = SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.1)
+
+    def trace():
+        done, steps, _ = run(overload(5, 80), slo)
+        return ([(s.batch.lane, s.batch.partition.num_sms, s.batch.layers, s.start, s.end) for s in steps],
+                sorted((r.id, r.first_token_time, r.finish_time) for r in done))
+
+    assert trace() == trace()
+
+
+def test_bad_decode_sizes_are_a_config_error():
+    from bullet.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not on h200's decode menu"):
+        make(decode_sizes=(8, 44))
