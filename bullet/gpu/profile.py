@@ -246,7 +246,10 @@ class Profiler:
             d, p = res["decode"], res["prefill"]
             ends = np.asarray(d.step_ends)
             starts = np.concatenate(([d.start], ends[:-1]))
-            inside = (starts >= p.start) & (ends <= p.end)
+            share = (np.minimum(ends, p.end) - np.maximum(starts, p.start)) / np.maximum(ends - starts, 1e-12)
+            inside = share >= 0.999  # steps that ran entirely next to the prefill
+            if not inside.any() and share.max() >= 0.5:  # steps longer than the prefill: the most-covered one
+                inside = share == share.max()
             overlap = max(0.0, min(d.end, p.end) - max(d.start, p.start)) / max(p.end - p.start, 1e-12)
             overlaps.append(overlap)
             if pt.lane == "prefill":
@@ -257,6 +260,8 @@ class Profiler:
         batch = pbatch if pt.lane == "prefill" else dbatch
         row = self._row(pt, batch, runs)
         row["overlap"] = float(np.median(overlaps))
+        if np.isnan(row["step_s"]):  # no decode step ran mostly next to the prefill (on the CPU, lanes take
+            row["step_s"], row["overlap"] = row["gpu_s"] / max(1, steps), 0.0  # turns): a solo step, overlap 0
         return row
 
     def _row(self, pt: Point, batch: Batch, runs: list) -> dict:

@@ -296,6 +296,8 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
                 continue
             n, co, co_sms = r["sms"], co_work_of_row(r), r["co_sms"]
             if kind == "decode":
+                if r["overlap"] <= 0.0:
+                    continue  # no decode step ran next to the prefill: not a co-run measurement
                 w = decode_mid(work_of_row(r), 2.0 * (r["steps"] / 2.0 + 1.0))
                 alone = float(fm.decode_steps(w, 2, n)[1])
                 ratio = r["step_s"] / alone

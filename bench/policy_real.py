@@ -1,0 +1,151 @@
+"""Policies on the real GPU next to their simulation: the same requests through ``serve()`` with the GpuExecutor
+and with the SimExecutor (same policy code, same latency model for both the policy's decisions and the
+simulator), at a few rates per trace. Prints SLO attainment, goodput and TTFT/TPOT percentiles, real vs
+simulated, and writes each run's SM split timeline (lane, SMs, start, end per launch) for plotting.
+
+    python3 bench/policy_real.py --latency profiles/h200/llama-3.1-8b/model.json \\
+        --runs sharegpt:6,9,12 arxiv:8,12 --policies bullet chunked-2048 --num-requests 120 --out $OUT/real
+    python3 bench/policy_real.py --device cpu --model tiny-llama --runs sharegpt:20 --num-requests 12   # smoke
+
+Dummy weights (seeded random); every request generates exactly its trace output length; prompt ids are
+synthetic per request. Paper SLOs per trace (TTFT per prompt token, TPOT) unless ``--slo tight``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bullet.config import GPUS, CacheConfig, SchedulerConfig, SloConfig, resolve_model
+from bullet.engine import serve
+from bullet.kvcache import BlockManager
+from bullet.metrics import request_columns, summarize
+from bullet.perfmodel.base import CachedLatency
+from bullet.policies import make_scheduler
+from bullet.traces import load_trace
+from simulator.run import latency_model, simulate
+
+PAPER = {"sharegpt": (0.003, 0.150), "azure-code": (0.0015, 0.200), "arxiv": (0.0015, 0.175),
+         "azure-conv": (0.003, 0.150)}
+
+
+def policy_cfg(name: str, layers: int, decode_sizes: tuple[int, ...] | None) -> SchedulerConfig:
+    if name == "bullet":
+        return SchedulerConfig(policy="bullet", layers_per_step=layers, decode_sizes=decode_sizes)
+    if name.startswith("chunked-"):
+        return SchedulerConfig(policy="chunked", max_batched_tokens=int(name.split("-")[1]))
+    if name.startswith("static-"):
+        return SchedulerConfig(policy="static-split", prefill_sms=int(name.split("-")[1]), layers_per_step=layers)
+    return SchedulerConfig(policy=name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--runs", nargs="+", default=["sharegpt:6,9,12"], help="TRACE:RATE,RATE,...")
+    ap.add_argument("--policies", nargs="+", default=["bullet", "chunked-2048"])
+    ap.add_argument("--num-requests", type=int, default=120)
+    ap.add_argument("--latency", default="auto", help="latency model for the policies and the simulator")
+    ap.add_argument("--slo", default="paper", choices=["paper", "tight"])
+    ap.add_argument("--layers-per-step", type=int, default=16, help="bullet / static-split prefill slices")
+    ap.add_argument("--decode-sizes", default="16,32,48,64,80,96,112",
+                    help="bullet's decode sizes (each costs its own decode graphs on the GPU)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from bullet.gpu.executor import GpuExecutor
+
+    spec, gpu = resolve_model(args.model), GPUS["h200"]
+    latency = latency_model(args.latency, spec, gpu) if args.model == "llama-3.1-8b" else None
+    if latency is None:
+        from tests.latency import LinearLatency
+
+        latency = LinearLatency(spec.num_layers)
+    sizes = tuple(int(x) for x in args.decode_sizes.split(",")) if args.decode_sizes else None
+    cuda = args.device == "cuda"
+    t0 = time.perf_counter()
+    ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.85)
+    if cuda:
+        ex.warmup()
+        buckets = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+        ex.capture("all", gpu.num_sms, buckets)
+        for d in (*sizes, gpu.num_sms):
+            ex.capture("decode", d, buckets)
+        torch.cuda.synchronize()
+    print(f"executor ready in {time.perf_counter() - t0:.1f} s: {ex.kv.num_blocks} KV blocks", flush=True)
+    rows, timelines = [], []
+    for spec_run in args.runs:
+        trace, rates = spec_run.split(":")
+        if args.slo == "paper":
+            per_token, tpot = PAPER[trace]
+            slo = SloConfig(ttft=None, ttft_per_token=per_token, tpot=tpot)
+        else:
+            slo = SloConfig(ttft=0.5, tpot=0.05)
+        for rate in (float(x) for x in rates.split(",")):
+            for name in args.policies:
+                cfg = policy_cfg(name, args.layers_per_step, sizes)
+                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                shift = ex.now() + 0.05
+                for r in reqs:
+                    r.arrival += shift
+                kv = BlockManager(ex.kv.num_blocks, ex.kv.block_size, False)
+                sched = make_scheduler(cfg, spec, gpu, kv, CachedLatency(latency), slo=slo)
+                steps = []
+                t1 = time.perf_counter()
+                done = serve(reqs, sched, ex, on_step=steps.append)
+                wall = time.perf_counter() - t1
+                busy = {}
+                for s in steps:
+                    busy[s.batch.lane] = busy.get(s.batch.lane, 0.0) + s.end - s.start
+                real = summarize(done, slo, busy, request_columns(done, slo))
+                sim_reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                sim = simulate(sim_reqs, spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks, prefix_caching=False),
+                               slo, latency)
+                row = {"trace": trace, "rate": rate, "policy": name, "wall_s": wall, "launches": len(steps)}
+                for key, s in (("real", real), ("sim", sim.summary)):
+                    row[f"{key}_attainment"] = s["slo_attainment"]
+                    row[f"{key}_goodput"] = s["goodput"]
+                    for m in ("ttft", "tpot"):
+                        for q in ("p50", "p90"):
+                            row[f"{key}_{m}_{q}_ms"] = s[f"{m}_ms"][q]
+                rows.append(row)
+                for s in steps:
+                    timelines.append((trace, rate, name, "real", s.batch.lane, s.batch.partition.num_sms,
+                                      s.start - shift, s.end - shift))
+                for r in sim.timeline.rows:
+                    timelines.append((trace, rate, name, "sim", r[0], r[1], r[6], r[7][-1]))
+                print(f"{trace} {rate:g} req/s {name}: real attainment {100 * row['real_attainment']:.1f} % goodput "
+                      f"{row['real_goodput']:.2f} | sim {100 * row['sim_attainment']:.1f} % {row['sim_goodput']:.2f} "
+                      f"| {wall:.1f} s wall, {len(steps)} launches", flush=True)
+    ex.close()
+    print("\n| trace | rate | policy | attainment real / sim | goodput real / sim (err) | TTFT p50 real / sim ms "
+          "| TTFT p90 real / sim | TPOT p50 real / sim | TPOT p90 real / sim |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        err = 100 * (r["sim_goodput"] - r["real_goodput"]) / r["real_goodput"] if r["real_goodput"] else float("nan")
+        print(f"| {r['trace']} | {r['rate']:g} | {r['policy']} | {100 * r['real_attainment']:.1f} / "
+              f"{100 * r['sim_attainment']:.1f} % | {r['real_goodput']:.2f} / {r['sim_goodput']:.2f} ({err:+.0f} %) | "
+              f"{r['real_ttft_p50_ms']:.0f} / {r['sim_ttft_p50_ms']:.0f} | {r['real_ttft_p90_ms']:.0f} / "
+              f"{r['sim_ttft_p90_ms']:.0f} | {r['real_tpot_p50_ms']:.1f} / {r['sim_tpot_p50_ms']:.1f} | "
+              f"{r['real_tpot_p90_ms']:.1f} / {r['sim_tpot_p90_ms']:.1f} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "runs.json").write_text(json.dumps(rows, indent=1))
+        with (args.out / "timeline.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["trace", "rate", "policy", "source", "lane", "sms", "start_s", "end_s"])
+            w.writerows(timelines)
+        print(f"wrote {args.out}/runs.json, timeline.csv")
+
+
+if __name__ == "__main__":
+    main()
