@@ -71,12 +71,18 @@ def test_decode_size_is_the_smallest_that_keeps_tpot():
     budget = (0.05 * 99 - 0.01) / 98 * 0.9  # at now = 0.01: each had one step's time already
     want = min(d for d in GPU.decode_sizes[:-1] if step132 * 132 / d * 1.25 <= budget)  # 24 by hand
     assert want == 24
-    assert sched._decode_need(reqs, 0.01, co) == want
+    assert sched._decode_need(sched._view(reqs, 0.01), co) == want
     # a tighter TPOT needs more SMs; one nobody can meet gets the largest decode size
-    assert make(SloConfig(tpot=0.03), lat=lat)[0]._decode_need(reqs, 0.01, co) == 40
-    assert make(SloConfig(tpot=0.001), lat=lat)[0]._decode_need(reqs, 0.01, co) == 112
-    # decode_sizes restricts the menu
-    assert make(SloConfig(tpot=0.05), lat=lat, decode_sizes=(16, 56))[0]._decode_need(reqs, 0.01, co) == 56
+
+    def need(**kw):
+        s = make(lat=lat, **kw)[0]
+        return s._decode_need(s._view(reqs, 0.01), co)
+
+    assert need(slo=SloConfig(tpot=0.03)) == 40
+    assert need(slo=SloConfig(tpot=0.001)) == 112
+    assert need(slo=SloConfig(tpot=0.05), decode_sizes=(16, 56)) == 56  # decode_sizes restricts the menu
+    # the work of the step: 40 rows reading 1000 tokens each, the longest 1000
+    assert sched._view(reqs, 0.01).work == Work(L, 40, 40, 40_000.0, 40_000, 40, True, 1000)
 
 
 def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():

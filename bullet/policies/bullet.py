@@ -11,6 +11,8 @@ re-split at every launch of either lane:
   on the rest of the GPU, fits the tightest budget with ``slo_margin`` to spare. A request whose budget is
   already gone (it will miss whatever happens) does not hold SMs hostage. With nothing to prefill, decode
   takes the whole GPU, in stretches that end at the next arrival.
+* **When the queue is blocked** (its head cannot be admitted: seats or KV are full), decode speed is what
+  frees room: decode gets its bandwidth knee (more SMs barely help) and prefill what its job's deadlines need.
 * **Prefill gets the rest**, without chunking: whole prompts, batched up to the token count where the model
   says a bigger batch stops paying (``token_target``: per-token time within 5 % of the best), advanced
   ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
@@ -18,27 +20,34 @@ re-split at every launch of either lane:
 * **Queue order: earliest TTFT deadline first** (arrival + the TTFT target, absolute or per prompt token),
   among requests predicted to meet theirs; a request predicted to miss goes behind them, ordered by its
   deadline plus ``LATE_GRACE`` times its target, so it waits only behind requests that arrived before that
-  point: no starvation. With ``admission_control`` such a request is rejected at once instead
-  (``Request.error``; counted against attainment). Priority for KV is admission order (``base.py``), so the
+  point: no starvation. With ``admission_control`` a request predicted to miss is rejected instead, on
+  arrival (behind the job in flight and the queued prompts due before it) or when the queue is next
+  ordered (``Request.error``; counted against attainment). Priority for KV is admission order (``base.py``), so the
   no-livelock guarantee holds under this order too.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import step_times
 from ..request import Request
-from .base import Scheduler
+from .base import Scheduler, SchedulingError
 
 LATE_GRACE = 4.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
 EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token prefill time is this close to the best
 DEFAULT_LAYERS_PER_STEP = 8
 KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
 WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
+
+
+class DecodeView(NamedTuple):
+    work: Work  # the decoding requests' next step
+    budget: float  # the tightest per-step time that keeps every TPOT
 
 
 class Bullet(Scheduler):
@@ -61,6 +70,7 @@ class Bullet(Scheduler):
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
         self.decode_until = 0.0  # predicted end of the decode launch in flight
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
+        self._last_need = 0  # index of the decode size _decode_need chose last
         self.token_target = self._token_target()
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
 
@@ -68,8 +78,21 @@ class Bullet(Scheduler):
     def add(self, req: Request) -> None:
         super().add(req)
         target = self.slo.ttft_target(req.prompt_len)
-        self.target[req.id] = math.inf if target is None else target
-        self.deadline[req.id] = req.arrival + self.target[req.id]
+        target = math.inf if target is None else target
+        deadline = req.arrival + target
+        if self.cfg.admission_control and target < math.inf:
+            ttft = self._predicted_ttft(req, deadline)
+            if ttft > target:
+                self.waiting.remove(req)
+                raise SchedulingError(f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > "
+                                      f"target {1e3 * target:.0f} ms")
+        self.target[req.id], self.deadline[req.id] = target, deadline
+
+    def _predicted_ttft(self, req: Request, deadline: float) -> float:
+        """From arrival: the prefill job in flight, then every queued prompt due before ``deadline`` and this
+        one, at the per-token speed prefill has now."""
+        ahead = req.known + sum(r.known for r in self.waiting if r is not req and self.deadline.get(r.id, 0.0) <= deadline)
+        return max(0.0, self.prefill_until - req.arrival) + ahead * self._prefill_per_token()
 
     def _token_target(self) -> int:
         """Prefill tokens per batch: the smallest of 512..max_batched_tokens whose predicted per-token time on
@@ -120,16 +143,16 @@ class Bullet(Scheduler):
         return self._launch("prefill", batch, reqs)
 
     def _prefill_want(self, now: float, work: Work) -> int:
-        """The prefill size for the next slice. Nothing decoding: the whole GPU. Otherwise, when the queue is
+        """The prefill size for the next slice (``work``). Nothing decoding: the whole GPU. When the queue is
         blocked (its head cannot be admitted: seats or KV are full), decode speed is what frees them, so
-        prefill takes the fewest SMs that still finish the job by its requests' deadlines; else prefill takes
-        all that decode does not need for its TPOT targets."""
-        decoding = self._decoding()
-        if not decoding and not self._decode_sms():
+        decode gets its knee and prefill the fewest SMs that still finish the job by its requests' deadlines.
+        Else prefill takes all that decode does not need for its TPOT targets."""
+        view = self._view(self._decoding(), now)
+        if not view.work.seqs and not self._decode_sms():
             return self.N
         if self.waiting and not self.admissible():
-            return max(self._prefill_need(now, self.pre_sizes), self.N - self._decode_knee(decoding, work))
-        return self.N - self._decode_need(decoding, now, work)
+            return max(self._prefill_need(now, self.pre_sizes), self.N - self._decode_knee(view.work, work))
+        return self.N - self._decode_need(view, work)
 
     def _prefill_need(self, now: float, sizes: list[int]) -> int:
         """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
@@ -180,37 +203,42 @@ class Bullet(Scheduler):
 
     # ---- the decode size -----------------------------------------------------------------------------
     def _decoding(self) -> list[Request]:
-        """Running requests in their decode phase (at least one token out, not inside a prefill job)."""
+        """Running requests not inside the prefill job (``_view`` keeps those with a token out: decoding)."""
         job = self.job
-        skip = {r.id for r in job[1]} if job else ()
-        return [r for r in self.running if r.num_output and r.id not in skip]
+        if not job or not any(r.num_output for r in job[1]):  # (a job member has outputs after a preemption)
+            return self.running
+        skip = {r.id for r in job[1]}
+        return [r for r in self.running if r.id not in skip]
 
-    def step_budget(self, reqs: list[Request], now: float) -> float:
-        """The tightest per-step time among ``reqs`` that still keeps its TPOT target (inf with no target);
-        requests whose budget is already spent are left out (they miss whatever the split)."""
+    def _view(self, reqs, now: float) -> DecodeView:
+        """One pass over ``reqs`` that have a token out (decoding): the Work of their next step, and the
+        tightest per-step time that keeps every TPOT. Request r, with n of its T tokens
+        out and the first at t1, keeps TPOT if its T - n remaining steps average at most
+        ``(tpot * (T - 1) - (now - t1)) / (T - n)``: slack it built up may be spent, a deficit must be made
+        up. A request whose budget is already spent is left out (it misses whatever the split); inf without
+        a TPOT target."""
         tpot = self.slo.tpot
-        if tpot is None:
-            return math.inf
+        n = kv = max_kv = 0
         best = math.inf
         for r in reqs:
-            left = r.max_new_tokens - r.num_output
-            if left <= 0 or r.first_token_time is None:
+            if not r.num_output:
                 continue
-            budget = (tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)) / left
-            if 0 < budget < best:
-                best = budget
-        return best
-
-    def _decode_work(self, reqs: list[Request]) -> Work:
-        """The next decode step of ``reqs``."""
-        n = len(reqs)
-        kv = max_kv = 0
-        for r in reqs:
+            n += 1
             c = r.num_computed + 1
             kv += c
             if c > max_kv:  # noqa: PLR1730 -- an if beats a max() call in this per-request loop
                 max_kv = c
-        return Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv)
+            left = r.max_new_tokens - r.num_output
+            if tpot is None or left <= 0 or r.first_token_time is None:
+                continue
+            a = tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)
+            if 0 < a < best * left:
+                best = a / left
+        return DecodeView(Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv), best)
+
+    def step_budget(self, reqs, now: float) -> float:
+        """The tightest per-step time among decoding ``reqs`` that keeps every TPOT (see :meth:`_view`)."""
+        return self._view(reqs, now).budget
 
     def _smallest(self, sizes: list[int], fits) -> int:
         """The smallest of ascending ``sizes`` for which ``fits(size)`` holds (the largest if none does),
@@ -226,28 +254,35 @@ class Bullet(Scheduler):
                 lo = mid + 1
         return sizes[lo]
 
-    def _decode_knee(self, reqs: list[Request], co: Work | None) -> int:
-        """The decode size past which more SMs barely speed the step up (within KNEE of the largest size's
+    def _decode_knee(self, work: Work, co: Work | None) -> int:
+        """The decode size past which more SMs barely speed ``work`` up (within KNEE of the largest size's
         step): memory-bound decode saturates HBM well before it has every SM (BACKGROUND.md)."""
-        if not reqs:
-            return self.dec_sizes[0]
-        work, predict, N, sizes = self._decode_work(reqs), self.latency.predict, self.N, self.dec_sizes
+        predict, N, sizes = self.latency.predict, self.N, self.dec_sizes
+        if not work.seqs:
+            return sizes[0]
         best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + KNEE)
         return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best)
 
-    def _decode_need(self, reqs: list[Request], now: float, co: Work | None) -> int:
-        """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits
-        the step budget of every request in ``reqs`` (with ``slo_margin`` to spare); the largest if none."""
+    def _decode_need(self, view: DecodeView, co: Work | None) -> int:
+        """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits the
+        view's step budget with ``slo_margin`` to spare; the largest if none. Starts from the last answer (the
+        split moves little between decisions): two predictions when it still holds."""
         sizes = self.dec_sizes
-        if not reqs:
+        budget = view.budget * (1 - self.cfg.slo_margin)
+        if not view.work.seqs or budget == math.inf:
             return sizes[0]
-        budget = self.step_budget(reqs, now) * (1 - self.cfg.slo_margin)
-        if budget == math.inf:
-            return sizes[0]
-        work, predict, N = self._decode_work(reqs), self.latency.predict, self.N
-        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= budget)
+        work, predict, N = view.work, self.latency.predict, self.N
 
-    # ---- the queue -----------------------------------------------------------------------------------
+        def fits(d: int) -> bool:
+            return predict(work, d, co, N - d) <= budget
+
+        i = self._last_need
+        if fits(sizes[i]) and (i == 0 or not fits(sizes[i - 1])):
+            return sizes[i]
+        d = self._smallest(sizes, fits)
+        self._last_need = sizes.index(d)
+        return d
+
     def _order(self, now: float) -> None:
         """Order the fresh part of the queue (preempted requests stay in front, in rank order): by TTFT
         deadline among requests predicted to meet it, then the rest by deadline + LATE_GRACE targets. With
@@ -287,12 +322,15 @@ class Bullet(Scheduler):
         waiting.extend(on_time)
 
     def _prefill_per_token(self) -> float:
-        """Predicted prefill seconds per token on the SMs prefill has now (a token_target-sized batch)."""
+        """Predicted prefill seconds per token on the SMs prefill has now."""
+        d = self._decode_sms()
+        return self._per_token(self.N - d if d < self.N else self.N)
+
+    def _per_token(self, p: int) -> float:
+        """Predicted prefill seconds per token on ``p`` SMs (a token_target-sized batch of 512-token prompts)."""
         t = self.token_target
         n = max(1, t // 512)
         work = Work(self.model.num_layers, t, n, n * 512 * 513 / 2, t, n, True, 512)
-        d = self._decode_sms()
-        p = self.N - d if d < self.N else self.N
         return float(self.latency.predict(work, p)) / t
 
     def _take_whole(self) -> tuple[list[Chunk], list[Request]]:

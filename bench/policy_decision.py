@@ -1,0 +1,83 @@
+"""What one ``bullet`` decision costs on the host: 256 requests decoding and 64 queued (Llama-3.1-8B on an
+H200, roofline or fitted latency model), timed with ``timeit`` over the pieces a launch decision runs:
+the split for a prefill slice (TPOT step budgets, the decode size by bisection, the TTFT risk check and the
+pause check), the queue order (EDF with lateness) and the decode lane's plan.
+
+    python3 bench/policy_decision.py [--latency roofline|fitted|PATH] [--running 256] [--waiting 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bullet.batch import Batch
+from bullet.config import GPUS, MODELS, SchedulerConfig, SloConfig
+from bullet.kvcache import BlockManager
+from bullet.perfmodel import work_of
+from bullet.perfmodel.base import CachedLatency
+from bullet.policies import make_scheduler
+from bullet.request import Request
+from simulator.run import latency_model
+
+
+def state(running: int, waiting: int, latency):
+    model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
+    rng = np.random.default_rng(0)
+    sched = make_scheduler(SchedulerConfig(policy="bullet"), model, gpu, BlockManager(60_000, 16),
+                           CachedLatency(latency), slo=SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.15))
+    now = 100.0
+    for i in range(running):
+        r = Request(i, now - float(rng.uniform(1, 20)), int(rng.integers(100, 3000)), 500)
+        sched.add(r)
+        sched._admit(r)
+        out = int(rng.integers(1, 400))
+        sched.kv.allocate(r.id, r.prompt_len + out)
+        r.num_output, r.num_computed = out, r.prompt_len + out - 1
+        r.first_token_time = r.arrival + 0.5
+    for i in range(running, running + waiting):
+        sched.add(Request(i, now - float(rng.uniform(0, 1)), int(rng.integers(100, 3000)), 300))
+    job = [sched.waiting.popleft()]
+    sched._admit(job[0])
+    sched.kv.allocate(job[0].id, job[0].known)
+    chunks = (sched._prefill_chunk(job[0], job[0].remaining),)
+    sched.job = (chunks, job, 0)
+    work = work_of(Batch(sched.whole_gpu, range(8), chunks), model.num_layers)
+    return sched, now, work
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--latency", default="roofline")
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--waiting", type=int, default=64)
+    args = ap.parse_args()
+    model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
+    sched, now, work = state(args.running, args.waiting, latency_model(args.latency, model, gpu))
+    decoding = list(sched._decoding())
+    view = sched._view(decoding, now)
+    cases = {
+        "prefill slice split (_prefill_want)": lambda: sched._prefill_want(now, work),
+        "  decoding requests and their step budget (_view)": lambda: sched._view(sched._decoding(), now),
+        "  decode size (_decode_need)": lambda: sched._decode_need(view, work),
+        "queue order, 63 waiting (_order)": lambda: sched._order(now),
+        "decode lane: idle decoders (_decoders)": sched._decoders,
+    }
+    print(f"bullet decision cost: {len(decoding)} decoding, {len(sched.waiting)} waiting, latency "
+          f"{args.latency}\n")
+    print("| piece | us per call |")
+    print("|---|---:|")
+    for name, fn in cases.items():
+        n, t = timeit.Timer(fn).autorange()
+        best = min(timeit.repeat(fn, number=n, repeat=5)) / n
+        print(f"| {name} | {best * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
