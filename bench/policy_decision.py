@@ -74,7 +74,7 @@ def main() -> None:
     print("| piece | us per call |")
     print("|---|---:|")
     for name, fn in cases.items():
-        n, t = timeit.Timer(fn).autorange()
+        n, _ = timeit.Timer(fn).autorange()
         best = min(timeit.repeat(fn, number=n, repeat=5)) / n
         print(f"| {name} | {best * 1e6:.1f} |")
 

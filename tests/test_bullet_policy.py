@@ -200,3 +200,15 @@ def test_bad_decode_sizes_are_a_config_error():
 
     with pytest.raises(ConfigError, match="not on h200's decode menu"):
         make(decode_sizes=(8, 44))
+
+
+def test_work_of_by_hand():
+    """Decode rows at positions 5 and 9 read 6 + 10 KV tokens, the longest 10; a 20-token prompt chunk beside
+    one decode row: 21 tokens, causal pairs 20 * 21 / 2 + 6, the longest 20."""
+    from bullet.batch import Batch, Chunk, Partition
+    from bullet.perfmodel import work_of
+
+    dec = Batch(Partition("all", 132), range(L), (Chunk(0, 5, 1, [], True), Chunk(1, 9, 1, [], True)))
+    assert work_of(dec, L) == Work(L, 2, 2, 16.0, 16, 2, True, 10)
+    mixed = Batch(Partition("all", 132), range(8), (Chunk(0, 5, 1, [], True), Chunk(1, 0, 20, [], True)))
+    assert work_of(mixed, L) == Work(8, 21, 2, 216.0, 26, 0, True, 20)

@@ -6,6 +6,7 @@ later) can be swapped without either noticing.
 
 from __future__ import annotations
 
+from operator import add
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -32,11 +33,12 @@ def work_of(batch: Batch, total_layers: int) -> Work:
     _, starts, lens, _, sample, _, _ = zip(*chunks) if chunks else ((),) * 7
     tokens = sum(lens)
     kv = sum(starts) + tokens
-    max_kv = max(s + n for s, n in zip(starts, lens)) if chunks else 0
-    if tokens == seqs:  # one token each (decode)
+    if tokens == seqs:  # one token each (decode): the longest is the latest start
         pairs = float(kv)
+        max_kv = max(starts) + 1 if chunks else 0
     else:
         pairs = float(sum(n * s + n * (n + 1) / 2 for s, n in zip(starts, lens)))
+        max_kv = max(map(add, starts, lens))
     last = batch.layers.stop == total_layers
     return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0,
                 max_kv)

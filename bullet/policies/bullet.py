@@ -69,6 +69,7 @@ class Bullet(Scheduler):
         self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # chunks, reqs, next layer
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
         self.decode_until = 0.0  # predicted end of the decode launch in flight
+        self._slice_work: Work | None = None  # the Work of the prefill slice in flight
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
         self._last_need = 0  # index of the decode size _decode_need chose last
         self.token_target = self._token_target()
@@ -140,6 +141,7 @@ class Bullet(Scheduler):
         dec = self.inflight.get("decode")
         co = work_of(dec[0], L) if dec else None
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
+        self._slice_work = work
         return self._launch("prefill", batch, reqs)
 
     def _prefill_want(self, now: float, work: Work) -> int:
@@ -189,7 +191,7 @@ class Bullet(Scheduler):
         p = pre[0].partition.num_sms
         if p >= self.N:
             return None  # prefill holds the whole GPU for this slice
-        co = work_of(pre[0], self.model.num_layers)
+        co = self._slice_work  # the prefill slice in flight
         d = self.N - p  # all that prefill left (its size already counted what decode needs)
         batch = self._decode_batch("decode", Partition("decode", d), decoders, now, self.prefill_until, co, p)
         self._note_decode_end(batch, now, co, p)
