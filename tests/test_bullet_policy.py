@@ -212,3 +212,25 @@ def test_work_of_by_hand():
     assert work_of(dec, L) == Work(L, 2, 2, 16.0, 16, 2, True, 10)
     mixed = Batch(Partition("all", 132), range(8), (Chunk(0, 5, 1, [], True), Chunk(1, 0, 20, [], True)))
     assert work_of(mixed, L) == Work(8, 21, 2, 216.0, 26, 0, True, 20)
+
+
+def test_shortest_first_only_where_it_breaks_no_deadline():
+    """LinearLatency prefill: (2e-3 + 1.01e-5 t) s for t tokens on the whole GPU; the policy's batch target is
+    4096 tokens (the smallest of 512..8192 within 5 % of the best per-token time: 2e-3 / t <= 7.6e-7), so it
+    predicts 2e-3 / 4096 + 1.01e-5 = 10.59 us a token."""
+    per_token = 2e-3 / 4096 + 1.01e-5
+
+    def order(reqs, ttft):
+        sched, _ = make(SloConfig(ttft=ttft, tpot=None))
+        assert sched.token_target == 4096
+        for r in reqs:
+            sched.add(r)
+        sched._order(1.0)
+        return [r.id for r in sched.waiting]
+
+    # same deadline (1.05 s): shortest first meets all three (4200 tokens end at 44.5 ms)
+    assert 4200 * per_token < 0.05
+    assert order([Request(0, 1.0, 3000, 2), Request(1, 1.0, 200, 2), Request(2, 1.0, 1000, 2)], 0.05) == [1, 2, 0]
+    # request 0 (3000 tokens) is due at 1.033 s: first, it ends at 31.8 ms; behind request 1 at 33.9 ms, too late
+    assert 3000 * per_token < 0.033 < 3200 * per_token
+    assert order([Request(0, 0.993, 3000, 2), Request(1, 1.0, 200, 2)], 0.04) == [0, 1]

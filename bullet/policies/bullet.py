@@ -18,9 +18,10 @@ re-split at every launch of either lane:
   ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
   than the target runs alone.
 * **Queue order: earliest TTFT deadline first** (arrival + the TTFT target, absolute or per prompt token),
-  among requests predicted to meet theirs; a request predicted to miss goes behind them, ordered by its
-  deadline plus ``LATE_GRACE`` times its target, so it waits only behind requests that arrived before that
-  point: no starvation. With ``admission_control`` a request predicted to miss is rejected instead, on
+  among requests predicted to meet theirs, or shortest first where that order still meets every one of
+  those deadlines (the paper's heuristic, kept only where it breaks none). A request predicted to miss goes
+  before the first on-time request due after its key, its deadline plus ``LATE_GRACE`` times its target, so
+  nobody arriving after that key is ahead of it: no starvation. With ``admission_control`` a request predicted to miss is rejected instead, on
   arrival (behind the job in flight and the queued prompts due before it) or when the queue is next
   ordered (``Request.error``; counted against attainment). Priority for KV is admission order (``base.py``), so the
   no-livelock guarantee holds under this order too.
@@ -286,9 +287,9 @@ class Bullet(Scheduler):
         return d
 
     def _order(self, now: float) -> None:
-        """Order the fresh part of the queue (preempted requests stay in front, in rank order): by TTFT
-        deadline among requests predicted to meet it, then the rest by deadline + LATE_GRACE targets. With
-        admission control, the rest are rejected instead."""
+        """Order the fresh part of the queue (preempted requests stay in front, in rank order): the requests
+        predicted to meet their TTFT by deadline (or shortest first if that still meets every deadline), the
+        rest merged in by deadline + LATE_GRACE targets. With admission control, the rest are rejected."""
         waiting = self.waiting
         k = 0
         while k < len(waiting) and waiting[k].id in self.rank:
@@ -307,6 +308,15 @@ class Bullet(Scheduler):
             else:
                 late.append(r)
         self.num_late += len(late)
+        if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
+            by_len = sorted(on_time, key=lambda r: (r.known, r.id))
+            t = now
+            for r in by_len:
+                t += r.known * per_token
+                if t > self.deadline[r.id]:
+                    break
+            else:
+                on_time = by_len
         if late and self.cfg.admission_control:
             for r in late:
                 ttft = now - r.arrival + r.known * per_token
@@ -315,10 +325,16 @@ class Bullet(Scheduler):
                 r.finish_time = now
                 self.rejected.append(r)
                 del self.deadline[r.id], self.target[r.id]
-        elif late:
-            keys = {r.id: self.deadline[r.id] for r in on_time}
-            keys.update((r.id, self.deadline[r.id] + LATE_GRACE * self.target[r.id]) for r in late)
-            on_time = sorted(on_time + late, key=lambda r: (keys[r.id], r.id))
+        elif late:  # each late request goes before the first on-time one due after its key
+            late.sort(key=lambda r: (self.deadline[r.id] + LATE_GRACE * self.target[r.id], r.id))
+            merged, i = [], 0
+            for r in on_time:
+                while i < len(late) and self.deadline[late[i].id] + LATE_GRACE * self.target[late[i].id] < \
+                        self.deadline[r.id]:
+                    merged.append(late[i])
+                    i += 1
+                merged.append(r)
+            on_time = merged + late[i:]
         for _ in range(len(waiting) - k):
             waiting.pop()
         waiting.extend(on_time)
