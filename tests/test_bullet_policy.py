@@ -90,12 +90,14 @@ def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
     takes the whole GPU, and decode alone takes the whole GPU."""
     reqs = [Request(0, 0.0, 2000, 2000)] + [Request(i, 1.0, 3000, 5) for i in range(1, 4)]
     done, steps, _ = run(reqs, SloConfig(ttft=None, tpot=0.05), layers_per_step=8)
-    first = [s for s in steps if s.batch.lane == "prefill"][:4]
-    assert {s.batch.partition.num_sms for s in first} == {132}  # request 0 alone: whole GPU
+    first = next(s for s in steps if s.batch.lane == "prefill")
+    # request 0 alone, nothing decoding: the whole GPU, all layers in one launch (no slice boundary to use)
+    assert first.batch.partition.num_sms == 132 and first.batch.layers == range(L)
     lone = [s for s in steps if s.batch.lane == "decode" and s.start < 1.0]
     assert lone and {s.batch.partition.num_sms for s in lone} == {132}
     co = [s for s in steps if s.batch.lane == "prefill" and s.start >= 1.0]
     assert co and all(s.batch.partition.num_sms < 132 for s in co)
+    assert all(len(s.batch.layers) == 8 for s in co)  # next to decode: 8-layer slices
     r0 = next(r for r in done if r.id == 0)
     tpot = (r0.finish_time - r0.first_token_time) / (r0.num_output - 1)
     assert tpot <= 0.05

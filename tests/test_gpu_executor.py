@@ -103,7 +103,8 @@ def test_serve_matches_reference(weights, policy, cfg):
         samples = np.array([c.sample for c in res.batch.chunks])
         full = res.batch.layers.stop == SPEC.num_layers
         assert np.all((res.tokens >= 0) == (samples[None, :] & full))
-    if policy != "prefill-first":  # its decode waits for each prefill: no fused stretches here
+    if policy not in ("prefill-first", "bullet"):  # prefill-first's decode waits for each prefill; bullet's
+        # stretches end at each 1-layer slice here (its fused launches are checked on a fake clock below)
         assert any(res.batch.steps > 1 for res in steps)
     if policy in ("static-split", "bullet"):
         assert any(res.batch.layers.stop < SPEC.num_layers for res in steps)  # layer slices too
@@ -389,6 +390,7 @@ def test_bullet_parity_simulator_and_real_executor(weights):
     real.close()
     assert real_plan == sim_plan
     assert len({p[1] for p in sim_plan if p[0] == "prefill"}) > 1  # the split really moved
+    assert any(p[0] == "decode" and p[3] > 1 for p in sim_plan)  # fused decode steps ran on the real executor
     assert any(p[0] == "decode" and p[1] < 132 for p in sim_plan) and any(p[2].stop < SPEC.num_layers
                                                                              for p in sim_plan)
     check_against_reference(weights, done, reqs)

@@ -131,7 +131,8 @@ class Bullet(Scheduler):
             self.job = (tuple(chunks), reqs, 0)
         chunks, reqs, first = self.job
         L = self.model.num_layers
-        layers = range(first, min(first + self.layers_step, L))
+        alone = not d_cur and not self._decoders()  # nothing to share SMs with: the rest of the job at once
+        layers = range(first, L if alone else min(first + self.layers_step, L))
         work = work_of(Batch(self.whole_gpu, layers, chunks), L)
         p = self._prefill_want(now, work)
         if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
