@@ -21,6 +21,10 @@ app = typer.Typer(help="bullet: LLM serving with prefill and decode on disjoint 
                   pretty_exceptions_enable=False)
 app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
 
+from .cli_validate import validate
+
+app.command()(validate)
+
 Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
 
 

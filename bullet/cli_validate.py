@@ -1,0 +1,160 @@
+"""``bullet validate``: the simulator against the real executor on the same requests (see bullet/validate.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .cli_trace import fail
+from .config import POLICIES, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v / 1e3
+
+
+def validate(
+    policy: Annotated[str, typer.Option(help=f"Scheduling policy: {', '.join(POLICIES)}.")] = "chunked",
+    model: Annotated[str, typer.Option(help="Model preset or a Hugging Face config.json / model folder.")]
+    = "llama-3.1-8b",
+    weights: Annotated[str, typer.Option(help="'dummy' (seeded random weights) or a folder of *.safetensors.")]
+    = "dummy",
+    device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), or 'cpu' (the tiny model: tests).")] = "cuda",
+    gpu: Annotated[str, typer.Option(help="GPU preset the simulator and the policy plan for.")] = "h200",
+    trace: Annotated[str, typer.Option(help="Trace file or bundled trace name.")] = "sharegpt",
+    num_requests: Annotated[int, typer.Option(help="Requests served (the trace's first N after --start).",
+                                              min=1)] = 200,
+    rate: Annotated[float | None, typer.Option(help="Request rate (req/s); default: the trace's timing.")]
+    = None,
+    seed: Annotated[int, typer.Option(help="Seed of synthetic arrivals and prompt ids.")] = 0,
+    start: Annotated[int, typer.Option(help="Skip this many trace rows first.", min=0)] = 0,
+    max_prompt: Annotated[int | None, typer.Option(help="Leave out prompts longer than this.")] = None,
+    latency: Annotated[str, typer.Option(help="Latency model for the policy and the simulator: auto, roofline, "
+                                              "fitted, or a model JSON path.")] = "auto",
+    max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (chunked, prefill-first; "
+                                                         "bullet's prefill batch cap).")] = 8192,
+    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition.")] = 92,
+    layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per launch.")]
+    = None,
+    decode_sizes: Annotated[str | None, typer.Option(help="bullet: comma-separated decode partition sizes "
+                                                          "(graphs are captured for each at start-up).")]
+    = None,
+    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in ms.")] = 3000.0,
+    slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
+    slo_ttft_per_token: Annotated[float | None, typer.Option(help="TTFT SLO in ms per prompt token.")] = None,
+    prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = False,
+    num_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: from GPU memory; 4096 on the "
+                                                        "CPU).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory to use.")] = 0.85,
+    max_error: Annotated[float, typer.Option(help="Exit with code 1 if the simulator misses the mean or p90 "
+                                                  "TTFT or TPOT by more than this many percent.")] = 5.0,
+    warmup: Annotated[bool, typer.Option(help="Build prefill attention plans before serving.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Folder for report.json and cdf.png.")] = None,
+) -> None:
+    """Serve the same requests on the real executor and in the simulator (same arrivals, policy code and
+    latency model) and print the simulator's error per metric and per launch kind."""
+    from . import validate as lib
+    from .traces import TraceError, load_trace, materialize_prompt_ids
+
+    if policy not in POLICIES:
+        raise fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if out is not None and out.exists() and not out.is_dir():
+        raise fail(f"--out {out}: exists and is not a folder")
+    try:
+        from simulator.run import latency_model
+
+        spec, gpu_spec = resolve_model(model), resolve_gpu(gpu)
+        sizes = tuple(int(x) for x in decode_sizes.split(",")) if decode_sizes else None
+        cfg = SchedulerConfig(policy=policy, max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
+                              layers_per_step=layers_per_step, decode_sizes=sizes)
+        slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
+        lat = latency_model(latency, spec, gpu_spec)
+
+        def make_requests():
+            reqs = load_trace(trace, num_requests=num_requests, rate=rate, seed=seed, start=start)
+            reqs = [r for r in reqs if max_prompt is None or r.prompt_len <= max_prompt]
+            if any(r.hash_ids is not None for r in reqs):
+                reqs = materialize_prompt_ids(reqs, spec.vocab_size, seed=seed)
+            return reqs
+
+        if not make_requests():  # bad trace input fails here, before the executor is built
+            raise ConfigError(f"no requests left to serve from {trace} (--max-prompt {max_prompt})")
+    except (ConfigError, TraceError, ValueError) as e:
+        raise fail(str(e)) from None
+    try:
+        from .gpu.executor import GpuExecutor
+    except ImportError as e:
+        raise fail(f"bullet validate needs torch ({e})") from None
+    cuda = device.startswith("cuda")
+    console = Console(stderr=as_json)
+    with console.status("starting the executor"):
+        try:
+            ex = GpuExecutor(spec, weights, device, num_blocks=num_blocks if num_blocks or cuda else 4096,
+                             gpu_memory_utilization=gpu_memory_utilization)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise fail(f"cannot start the executor: {e}") from None
+        if cuda:
+            if warmup:
+                ex.warmup()
+            prepare_graphs(ex, cfg, gpu_spec)
+    try:
+        with console.status(f"serving {num_requests} requests, then simulating them"):
+            rep = lib.validate(make_requests, ex, spec, gpu_spec, cfg, slo, lat, ex.kv.num_blocks,
+                               ex.kv.block_size, prefix_caching)
+    finally:
+        ex.close()
+    title = f"{policy} · {spec.name} · {trace} · {num_requests} requests"
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(rep.to_json(), indent=1, default=float) + "\n")
+        try:
+            lib.plot_cdfs(rep, out / "cdf.png", title)
+        except ImportError:
+            console.print("matplotlib missing: no cdf.png")
+    if as_json:
+        json.dump(rep.to_json(), sys.stdout, indent=1, default=float)
+        sys.stdout.write("\n")
+    else:
+        print_report(rep, title, max_error, console)
+    if rep.worst() * 100 > max_error:
+        raise typer.Exit(1)
+
+
+def prepare_graphs(ex, cfg: SchedulerConfig, gpu) -> None:
+    """Capture, before serving, the decode graphs of every partition the policy will use."""
+    if cfg.policy in ("chunked", "prefill-first"):
+        ex.capture("all", gpu.num_sms, ex._graph_args["buckets"])
+    elif cfg.policy == "static-split":
+        ex.capture("decode", gpu.num_sms - cfg.prefill_sms, ex._graph_args["buckets"])
+    elif cfg.policy == "naive-concurrent":
+        ex.capture("decode", gpu.num_sms, ex._graph_args["buckets"])
+    else:
+        for d in (*(cfg.decode_sizes or gpu.decode_sizes[:-1]), gpu.num_sms):
+            ex.capture("decode", d, ex._graph_args["buckets"])
+
+
+def print_report(rep, title: str, max_error: float, console: Console) -> None:
+    t = Table(title=title + " · simulator vs real", title_justify="left")
+    for col in ("metric", "real", "simulated", "error"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    for r in rep.rows:
+        err = r["error"] * 100
+        mark = "" if not r["gated"] else (" [red]✗[/red]" if abs(err) > max_error else " [green]✓[/green]")
+        t.add_row(r["metric"] + (" *" if r["gated"] else ""), f"{r['real']:.2f}", f"{r['sim']:.2f}",
+                  f"{err:+.1f} %{mark}")
+    console.print(t)
+    k = Table(title="latency model on each real launch (error = predicted vs measured)", title_justify="left")
+    for col in ("kind", "launches", "measured ms p50", "error p10", "error p50", "error p90"):
+        k.add_column(col, justify="left" if col == "kind" else "right")
+    for r in rep.launches:
+        k.add_row(r["kind"], str(r["launches"]), f"{r['measured_ms_p50']:.2f}", f"{r['error_pct_p10']:+.1f} %",
+                  f"{r['error_pct_p50']:+.1f} %", f"{r['error_pct_p90']:+.1f} %")
+    console.print(k)
+    console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")

@@ -1,0 +1,156 @@
+"""``bullet validate``: the same requests through a real executor and through the simulator, with the same
+arrival times, the same policy code and the same latency model; the simulator's error per metric and per
+launch kind.
+
+The real run goes through ``serve()`` on the executor (a GpuExecutor, or anything implementing the protocol);
+the simulated run through :func:`simulator.run.simulate`. Errors are ``(simulated - real) / real``. The gate
+(``max_error``) applies to the mean and p90 of TTFT and TPOT, the points the latency model is judged on; every
+other row is shown for information.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import StepResult
+from .config import CacheConfig, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
+from .engine import serve
+from .kvcache import BlockManager
+from .metrics import request_columns, summarize
+from .perfmodel import LatencyModel, work_of
+from .perfmodel.base import CachedLatency, step_times
+from .policies import make_scheduler
+from .request import Request
+
+METRICS = ("ttft", "tpot", "itl", "e2e")
+STATS = ("mean", "p50", "p90", "p99")
+GATED = {("ttft", "mean"), ("ttft", "p90"), ("tpot", "mean"), ("tpot", "p90")}
+
+
+@dataclass
+class Report:
+    real: dict  # summaries (metrics.summarize)
+    sim: dict
+    rows: list[dict] = field(default_factory=list)  # metric, stat, real, sim, error, gated
+    launches: list[dict] = field(default_factory=list)  # kind, launches, measured ms, error p10/p50/p90
+    real_cdf: dict = field(default_factory=dict)  # metric -> sorted values (ms)
+    sim_cdf: dict = field(default_factory=dict)
+
+    def worst(self) -> float:
+        """The largest gated |error| (fraction)."""
+        return max((abs(r["error"]) for r in self.rows if r["gated"] and np.isfinite(r["error"])), default=0.0)
+
+    def to_json(self) -> dict:
+        return {"real": self.real, "sim": self.sim, "errors": self.rows, "launches": self.launches,
+                "worst_gated_error": self.worst()}
+
+
+def error(real: float, sim: float) -> float:
+    """(sim - real) / real; nan where real is 0 or either is not finite."""
+    if not (np.isfinite(real) and np.isfinite(sim)) or real == 0:
+        return float("nan")
+    return (sim - real) / real
+
+
+def compare(real: dict, sim: dict) -> list[dict]:
+    """Error rows of two run summaries: latency stats, throughput, duration."""
+    rows = []
+    for m in METRICS:
+        for s in STATS:
+            a, b = real[f"{m}_ms"][s], sim[f"{m}_ms"][s]
+            rows.append({"metric": f"{m.upper()} {s} (ms)", "real": a, "sim": b, "error": error(a, b),
+                         "gated": (m, s) in GATED})
+    for key, name in (("output_throughput", "output tokens/s"), ("duration_s", "duration (s)"),
+                      ("slo_attainment", "SLO attainment")):
+        rows.append({"metric": name, "real": real[key], "sim": sim[key], "error": error(real[key], sim[key]),
+                     "gated": False})
+    return rows
+
+
+def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int) -> list[dict]:
+    """Per launch kind: the latency model's prediction for each real launch (next to the other lane's launch
+    that overlapped it most) against its measured duration."""
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for i, res in enumerate(results):
+        b = res.batch
+        w = work_of(b, num_layers)
+        co, co_sms, best = None, 0, 0.0
+        for other in results[max(0, i - 8):i + 8]:
+            if other.batch.lane == b.lane:
+                continue
+            overlap = min(res.end, other.end) - max(res.start, other.start)
+            if overlap > best:
+                co, co_sms, best = work_of(other.batch, num_layers), other.batch.partition.num_sms, overlap
+        sms = b.partition.num_sms
+        pred = float(step_times(latency, w, b.steps, sms, co, co_sms).sum()) if b.layers.stop == num_layers \
+            else float(latency.predict(w, sms, co, co_sms))
+        kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
+        kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
+        kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))
+    out = []
+    for kind, pairs in sorted(kinds.items()):
+        m = np.array([p[0] for p in pairs])
+        e = 100 * (np.array([p[1] for p in pairs]) - m) / np.maximum(m, 1e-12)
+        out.append({"kind": kind, "launches": len(pairs), "measured_ms_p50": float(np.median(m) * 1e3),
+                    "error_pct_p10": float(np.percentile(e, 10)), "error_pct_p50": float(np.median(e)),
+                    "error_pct_p90": float(np.percentile(e, 90))})
+    return out
+
+
+def validate(make_requests: Callable[[], list[Request]], executor, model: ModelSpec, gpu: GpuSpec,
+             sched: SchedulerConfig, slo: SloConfig, latency: LatencyModel, num_blocks: int, block_size: int,
+             prefix_caching: bool = False) -> Report:
+    """Serve ``make_requests()`` on ``executor`` (arrivals shifted to its clock), then simulate a fresh copy
+    with the same scheduler config, KV pool and latency model; compare."""
+    from simulator.run import simulate
+
+    reqs = make_requests()
+    shift = executor.now() + 0.05  # a real executor's clock started at its creation
+    for r in reqs:
+        r.arrival += shift
+    kv = BlockManager(num_blocks, block_size, prefix_caching)
+    scheduler = make_scheduler(sched, model, gpu, kv, CachedLatency(latency), slo=slo)
+    results: list[StepResult] = []
+    done = serve(reqs, scheduler, executor, on_step=results.append)
+    busy: dict[str, float] = {}
+    for res in results:
+        busy[res.batch.lane] = busy.get(res.batch.lane, 0.0) + res.end - res.start
+    real_cols = request_columns(done, slo)
+    real = summarize(done, slo, busy, real_cols)
+    sim_run = simulate(make_requests(), model, gpu, sched,
+                       CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching),
+                       slo, latency)
+    rep = Report(real, sim_run.summary, compare(real, sim_run.summary),
+                 launch_errors(results, latency, model.num_layers))
+    for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
+        cdf = rep.real_cdf if name == "real" else rep.sim_cdf
+        for m in ("ttft", "tpot"):
+            x = np.asarray(cols[m], float)
+            cdf[m] = np.sort(x[np.isfinite(x)] * 1e3)
+    return rep
+
+
+def plot_cdfs(rep: Report, path, title: str) -> None:
+    """TTFT and TPOT CDFs, real against simulated (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, m in zip(axes, ("ttft", "tpot")):
+        for name, cdf, style in (("real", rep.real_cdf, "-"), ("simulated", rep.sim_cdf, "--")):
+            x = cdf.get(m, np.zeros(0))
+            if x.size:
+                ax.plot(x, np.arange(1, x.size + 1) / x.size, style, label=name)
+        ax.set_xlabel(f"{m.upper()} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

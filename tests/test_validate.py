@@ -1,0 +1,80 @@
+"""``bullet validate``: error arithmetic by hand; a "real" executor timed by the simulator itself gives zero
+error on every metric (the comparison adds nothing of its own); the command end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from typer.testing import CliRunner
+
+from bullet.cli import app
+from bullet.config import GPUS, SchedulerConfig, SloConfig
+from bullet.gpu.executor import GpuExecutor
+from bullet.validate import GATED, compare, error, validate
+from simulator import SimExecutor
+from tests.latency import LinearLatency
+from tests.test_gpu_executor import SEED, SPEC, SimTimed, make_requests
+
+runner = CliRunner()
+
+
+def test_error_by_hand():
+    assert error(100.0, 110.0) == pytest.approx(0.10)
+    assert error(200.0, 150.0) == pytest.approx(-0.25)
+    assert error(0.0, 1.0) != error(0.0, 1.0)  # nan: no relative error against zero
+    real = {f"{m}_ms": {"mean": 10.0, "p50": 10.0, "p90": 20.0, "p99": 40.0} for m in ("ttft", "tpot", "itl", "e2e")}
+    real.update(output_throughput=100.0, duration_s=10.0, slo_attainment=0.5)
+    sim = json.loads(json.dumps(real))
+    sim["ttft_ms"]["p90"] = 23.0
+    rows = {r["metric"]: r for r in compare(real, sim)}
+    assert rows["TTFT p90 (ms)"]["error"] == pytest.approx(0.15) and rows["TTFT p90 (ms)"]["gated"]
+    assert rows["TTFT p99 (ms)"]["error"] == 0 and not rows["TTFT p99 (ms)"]["gated"]
+    assert sum(r["gated"] for r in rows.values()) == len(GATED) == 4
+
+
+@pytest.mark.parametrize("policy", ["chunked", "bullet"])
+def test_simulator_timed_executor_has_zero_error(policy):
+    gpu = GPUS["h200"]
+    lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
+    real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED)
+    ex = SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu))
+
+    def reqs():
+        out = make_requests(9, seed=4, with_ids=True)
+        for i, r in enumerate(out):
+            r.arrival = 0.004 * i
+        return out
+
+    cfg = SchedulerConfig(policy=policy, max_batched_tokens=48, layers_per_step=1 if policy == "bullet" else None)
+    rep = validate(reqs, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
+    real.close()
+    assert rep.real["requests"] == rep.sim["requests"] == 9
+    assert all(abs(r["error"]) < 1e-9 for r in rep.rows), [r for r in rep.rows if abs(r["error"]) >= 1e-9]
+    assert rep.worst() < 1e-9
+    assert all(abs(k["error_pct_p50"]) < 1e-6 for k in rep.launches)  # each launch took what the model said
+
+
+def test_validate_command_on_the_cpu(tmp_path):
+    trace = tmp_path / "short.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n30,4\n12,6\n50,3\n8,5\n25,2\n")
+    args = ["validate", "--device", "cpu", "--model", "tiny-llama", "--trace", str(trace), "--num-requests", "5",
+            "--rate", "50", "--latency", "roofline"]
+    res = runner.invoke(app, [*args, "--json"])
+    # the H200 roofline knows nothing of a CPU: far over the 5 % gate
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    assert report["worst_gated_error"] > 0.05
+    assert report["real"]["requests"] == report["sim"]["requests"] == 5
+    res = runner.invoke(app, [*args, "--max-error", "1e9", "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, res.output
+    assert "TTFT p90" in res.output and (tmp_path / "v" / "report.json").exists()
+    (tmp_path / "file").write_text("")
+    for bad, msg in ((["--policy", "nope"], "--policy must be one of"), (["--out", str(tmp_path / "file")],
+                                                                        "not a folder"),
+                     (["--max-prompt", "5"], "no requests left")):
+        res = runner.invoke(app, [*args, *bad])
+        assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
