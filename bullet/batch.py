@@ -81,6 +81,9 @@ class Executor(Protocol):
     def busy(self, lane: Lane) -> bool:
         """A batch is in flight on ``lane``."""
 
+    def release(self, req_id: int) -> None:
+        """Forget request ``req_id``: it ended (finished, rejected or aborted) and is in no launch."""
+
 
 def check_launch(batch: Batch, running: Iterable[Batch], sizes: Mapping[Lane, Collection[int]], num_sms: int) -> None:
     """The partition rule both executors enforce before a launch (PartitionError otherwise): ``batch`` asks

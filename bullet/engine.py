@@ -1,12 +1,203 @@
-"""``serve()``: THE event loop, shared verbatim by the simulator (``bullet simulate``) and the GpuExecutor."""
+"""THE event loop, shared by trace replay (``bullet simulate``, tests) and live serving (``bullet run``).
+
+:class:`Engine` drives one scheduler on one executor: ``add`` hands it a request, ``abort`` takes one back,
+``step(until)`` plans every idle lane, launches, waits for results until ``until`` and returns what changed
+for each request (:class:`Update`). :func:`serve` wraps it for a closed list of requests with known arrival
+times; ``bullet.server`` drives it from its own thread for requests arriving over HTTP.
+
+Rules that hold for both:
+- a request the scheduler refuses at ``add`` (too long for the model or the whole KV cache, turned away by
+  admission control, bad parameters) ends at once with ``Request.error`` set; the others go on;
+- requests that admission control rejects while planning (``Scheduler.rejected``) end the same way, right
+  after planning, and the step returns without waiting (the queue changed: plan again);
+- an abort of a request inside a launch in flight takes effect when that launch returns (its KV is freed
+  then); otherwise at once;
+- every request added ends exactly once: one :class:`Update` with ``finished`` set.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from .batch import Executor, StepResult
+from .batch import Batch, Executor, StepResult
 from .policies.base import Scheduler, SchedulingError
 from .request import Request
+
+ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one step changed for one request. ``token_ids``/``token_times``: tokens sampled since the last
+    update (a streaming engine only; the simulator has no ids, so there only the times). ``reason`` once
+    finished: "stop" (its end-of-sequence token), "length" (max_new_tokens), "abort", or "error"
+    (``request.error`` says why)."""
+
+    request: Request
+    token_ids: tuple[int, ...] = ()
+    token_times: tuple[float, ...] = ()
+    finished: bool = False
+    reason: str | None = None
+
+
+class Engine:
+    """One scheduler on one executor. Not thread-safe: one thread calls ``add``, ``abort`` and ``step``.
+
+    ``stream``: report every request's new tokens after each launch (live serving); otherwise only finished
+    requests are reported (trace replay: no per-token work on the simulator's hot path). ``on_launch`` sees
+    every batch launched, ``on_step`` every launch's result, ``on_finish`` every request that ends."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, stream: bool = False,
+                 on_launch: Callable[[Batch], None] | None = None,
+                 on_step: Callable[[StepResult], None] | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.stream = stream
+        self.on_launch, self.on_step, self.on_finish = on_launch, on_step, on_finish
+        self.held: dict[int, Request] = {}  # added and not finished, by id
+        self.stalled = False  # the last step found requests held, nothing in flight and nothing to launch
+        self._sent: dict[int, int] = {}  # stream: outputs already reported, by request id
+        self._aborting: dict[int, str] = {}  # abort asked (and why) while the request was inside a launch
+        self._out: list[Update] = []
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held and nothing in flight."""
+        return not self.held and not any(self.executor.busy(lane) for lane in self.scheduler.lanes)
+
+    def add(self, req: Request) -> bool:
+        """Hand ``req`` to the scheduler; False if it was refused (it then ends at once with ``error``
+        set, reported by the next ``step`` or ``flush``)."""
+        if req.id in self.held:
+            return self._refuse(req, f"request id {req.id} is already being served")
+        try:
+            self.scheduler.add(req)
+        except (SchedulingError, ValueError) as e:  # this request cannot be served at all: reject it alone
+            return self._refuse(req, str(e))
+        self.held[req.id] = req
+        return True
+
+    def _refuse(self, req: Request, why: str) -> bool:
+        """End a request the engine never held (its id may be another's: touch nothing of that one)."""
+        req.error, req.finish_time = why, self.executor.now()
+        self._out.append(Update(req, finished=True, reason="error"))
+        if self.on_finish is not None:
+            self.on_finish(req)
+        return False
+
+    def abort(self, req_id: int, why: str = ABORTED) -> bool:
+        """Stop request ``req_id``: it ends with reason "abort" and ``error = why``, and its KV is freed, now
+        or when the launch it is inside returns. False if the engine does not hold it (it finished already,
+        or never came)."""
+        req = self.held.get(req_id)
+        if req is None:
+            return False
+        if req_id in self.scheduler.busy:  # inside a launch (or a layer-sliced prefill under way)
+            self._aborting[req_id] = why
+        else:
+            self._drop(req, why)
+        return True
+
+    def _drop(self, req: Request, why: str) -> None:
+        now = self.executor.now()
+        self.scheduler.abort(req.id, now)
+        req.error, req.finish_time = why, now
+        self._end(req, "abort")
+
+    def fail_all(self, why: str) -> list[Update]:
+        """End every held request with ``error = why`` without asking the scheduler (its state is not to be
+        trusted any more: the executor or a policy raised). Returns every update not yet reported."""
+        now = self.executor.now()
+        for req in list(self.held.values()):
+            req.error, req.finish_time = why, now
+            self._end(req, "error")
+        return self.flush()
+
+    def flush(self) -> list[Update]:
+        """Updates produced since the last step (requests refused at ``add``, aborts applied at once)."""
+        out, self._out = self._out, []
+        return out
+
+    def step(self, until: float | None) -> list[Update]:
+        """Plan every idle lane, launch, then wait for results until ``until`` (the next known arrival, or
+        when a live server wants control back; None: until a launch returns). Returns the updates since
+        the last call. With ``until`` None, nothing in flight and requests held, nothing could ever move:
+        SchedulingError (a stall)."""
+        sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
+        now = ex.now()
+        self.stalled = False
+        for lane in lanes:
+            if not ex.busy(lane):
+                batch = sched.schedule(lane, now, until)
+                if batch is not None:
+                    ex.launch(batch)
+                    if self.on_launch is not None:
+                        self.on_launch(batch)
+        if sched.rejected:  # admission control turned these away (Request.error says why)
+            for req in sched.rejected:
+                self.held.pop(req.id, None)
+                self._end(req, "error")
+            sched.rejected.clear()
+            return self.flush()  # plan again: the queue changed
+        if until is None or self.stream:  # (serve() with a horizon never asks: kept off its hot path)
+            self.stalled = bool(self.held) and not any(ex.busy(lane) for lane in lanes)
+        if self.stalled and until is None:
+            raise SchedulingError(f"stalled at t={now:.3f}s with {len(sched.waiting)} waiting and "
+                                  f"{len(sched.running)} running requests and nothing schedulable")
+        for res in ex.wait(until):
+            if self.on_step is not None:
+                self.on_step(res)
+            done = sched.on_result(res)
+            if self.stream:
+                self._report(res, done)
+            for req in done:
+                self._end(req, self._reason(req))
+            if self._aborting:
+                for rid in [r for r in self._aborting if r not in sched.busy]:
+                    why = self._aborting.pop(rid)
+                    req = self.held.get(rid)
+                    if req is not None:
+                        self._drop(req, why)
+        return self.flush()
+
+    def _report(self, res: StepResult, done: list[Request]) -> None:
+        """Stream mode: an update with the new tokens of every request that sampled in ``res``; a request
+        finished by it gets its last tokens in its finishing update."""
+        ending = {r.id for r in done}
+        for c in res.batch.chunks:
+            req = self.held.get(c.req_id)
+            if not c.sample or req is None or c.req_id in ending:
+                continue
+            new = self._new_tokens(req)
+            if new is not None:
+                self._out.append(Update(req, *new))
+
+    def _new_tokens(self, req: Request) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        sent = self._sent.get(req.id, 0)
+        n = len(req.token_times)
+        if n == sent:
+            return None
+        self._sent[req.id] = n
+        return tuple(req.output_ids[sent:]), tuple(req.token_times[sent:n])
+
+    def _reason(self, req: Request) -> str:
+        eos = self.scheduler.eos_token_id
+        if (eos is not None and req.output_ids and req.output_ids[-1] == eos
+                and not req.sampling.ignore_eos):
+            return "stop"
+        return "length"
+
+    def _end(self, req: Request, reason: str) -> None:
+        self.held.pop(req.id, None)
+        self._aborting.pop(req.id, None)
+        new = self._new_tokens(req) if self.stream else None
+        self._sent.pop(req.id, None)
+        self.executor.release(req.id)
+        self._out.append(Update(req, *(new or ((), ())), finished=True, reason=reason))
+        if self.on_finish is not None:
+            self.on_finish(req)
 
 
 def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor, *,
@@ -19,43 +210,13 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     total, nxt = len(pending), 0
     finished: list[Request] = []
-    lanes = scheduler.lanes
-    release = getattr(executor, "release", None)
+    engine = Engine(scheduler, executor, on_step=on_step, on_finish=on_finish)
     while len(finished) < total:
         now = executor.now()
         while nxt < total and pending[nxt].arrival <= now:
-            req = pending[nxt]
+            engine.add(pending[nxt])
             nxt += 1
-            try:
-                scheduler.add(req)
-            except SchedulingError as e:  # this request cannot be served at all: reject it alone
-                req.error, req.finish_time = str(e), now
-                finished.append(req)
-                if on_finish is not None:
-                    on_finish(req)
         horizon = pending[nxt].arrival if nxt < total else None
-        for lane in lanes:
-            if not executor.busy(lane):
-                batch = scheduler.schedule(lane, now, horizon)
-                if batch is not None:
-                    executor.launch(batch)
-        if scheduler.rejected:  # admission control turned these away (Request.error says why)
-            for req in scheduler.rejected:
-                finished.append(req)
-                if on_finish is not None:
-                    on_finish(req)
-            scheduler.rejected.clear()
-            continue  # plan again: the queue changed
-        if horizon is None and not any(executor.busy(lane) for lane in lanes):
-            raise SchedulingError(f"stalled at t={now:.3f}s with {len(scheduler.waiting)} waiting and "
-                                  f"{len(scheduler.running)} running requests and nothing schedulable")
-        for res in executor.wait(horizon):
-            if on_step is not None:
-                on_step(res)
-            for req in scheduler.on_result(res):
-                finished.append(req)
-                if release is not None:
-                    release(req.id)
-                if on_finish is not None:
-                    on_finish(req)
+        for u in engine.step(horizon):
+            finished.append(u.request)  # not streaming: every update is a request that ended
     return finished

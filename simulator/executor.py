@@ -50,6 +50,9 @@ class SimExecutor:
     def busy(self, lane: Lane) -> bool:
         return lane in self._flights
 
+    def release(self, req_id: int) -> None:
+        """Nothing to forget: the simulator keeps no per-request state."""
+
     def launch(self, batch: Batch) -> None:
         lane = batch.partition.lane
         if lane in self._flights:

@@ -369,6 +369,28 @@ class Scheduler:
         """A layer slice of a prefill finished; policies with layer-granular prefill override this."""
         raise SchedulingError("a partial layer slice came back to a policy that never launches one")
 
+    def abort(self, req_id: int, now: float) -> Request | None:
+        """Drop request ``req_id`` between launches (its client went away): out of the queue, or out of
+        ``running`` with its KV freed (full blocks stay in the prefix cache) as if it finished at ``now``.
+        Returns it, or None if the scheduler does not hold it. A request inside a launch in flight (``busy``,
+        a layer-sliced prefill under way included) cannot be dropped: SchedulingError; the engine retries
+        when that launch returns."""
+        if req_id in self.busy:
+            raise SchedulingError(f"request {req_id} is inside a launch in flight")
+        for r in self.running:
+            if r.id == req_id:
+                self.partial.pop(req_id, None)
+                self._finish(r, now)
+                return r
+        for r in self.waiting:
+            if r.id == req_id:
+                self.waiting.remove(r)
+                self.rank.pop(req_id, None)  # a preempted request keeps its rank while it waits
+                if self._hit_memo is not None and self._hit_memo[0] is r:
+                    self._hit_memo = None
+                return r
+        return None
+
     def _finish(self, r: Request, now: float) -> None:
         r.finish_time = now
         self.kv.free(r.id)

@@ -1,0 +1,75 @@
+"""OpenAI-compatible live serving (``bullet run``): the real executor and a policy behind vLLM's HTTP API.
+
+:func:`build_server` makes the pieces (executor, block manager, scheduler, engine, tokenizer, metrics) and
+returns a :class:`~bullet.server.app.BulletServer`; :func:`~bullet.server.app.run_http` serves it with uvicorn.
+Needs the ``server`` extra (fastapi, uvicorn, prometheus-client, jinja2) and torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
+
+CPU_NUM_BLOCKS = 1024  # the KV pool on device "cpu" when none is given (16k tokens of 16-token blocks)
+
+
+def build_server(model: str, *, device: str = "cpu", weights: str = "auto", tokenizer: str | None = "auto",
+                 gpu: str = "h200", sched: SchedulerConfig | None = None, cache: CacheConfig | None = None,
+                 slo: SloConfig | None = None, latency: str = "auto", seed: int = 0,
+                 served_model_name: str | None = None, api_key: str | None = None, max_waiting: int = 512,
+                 window_s: float = 0.01, use_graphs: bool = True):
+    """``model``: a preset or a model folder (config.json; tokenizer.json and *.safetensors where present).
+    ``weights``: "auto" (the folder's safetensors if it has any, else seeded dummy weights), "dummy", or a
+    folder. ``tokenizer``: "auto" (the model folder's tokenizer.json, else the byte-level scheme), None (the
+    byte-level scheme) or a folder. ConfigError naming the flag for bad values."""
+    import torch
+
+    from ..engine import Engine
+    from ..gpu.executor import GpuExecutor
+    from ..kvcache import BlockManager
+    from ..perfmodel.base import CachedLatency
+    from ..policies import make_scheduler
+    from .app import BulletServer
+    from .metrics import ServerMetrics
+    from .tokenizer import load_tokenizer
+
+    sched, cache = sched or SchedulerConfig(), cache or CacheConfig()
+    spec = resolve_model(model)
+    gpu_spec = resolve_gpu(gpu)
+    folder = Path(model) if Path(model).is_dir() else None
+    if weights == "auto":
+        weights = str(folder) if folder is not None and any(folder.glob("*.safetensors")) else "dummy"
+    if tokenizer == "auto":
+        tokenizer = str(folder) if folder is not None else None
+    elif tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").exists():
+        raise ConfigError(f"--tokenizer {tokenizer}: no tokenizer.json there")
+    tok = load_tokenizer(tokenizer, spec.vocab_size)
+    cpu = torch.device(device).type == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device here (use --device cpu --model tiny-llama)")
+    num_blocks = cache.num_blocks or (CPU_NUM_BLOCKS if cpu else None)
+    ex = GpuExecutor(spec, weights, device, block_size=cache.block_size, num_blocks=num_blocks,
+                     gpu_memory_utilization=cache.gpu_memory_utilization, seed=seed, use_graphs=use_graphs)
+    try:
+        if ex.menu is not None and ex.menu.num_sms != gpu_spec.num_sms:
+            raise ConfigError(f"--gpu {gpu}: {gpu_spec.num_sms} SMs, but the device has {ex.menu.num_sms}")
+        ex.warmup()
+        from simulator.run import latency_model
+
+        base = latency_model(latency, spec, gpu_spec)
+        kv = BlockManager(ex.kv.num_blocks, cache.block_size, cache.prefix_caching)
+        scheduler = make_scheduler(sched, spec, gpu_spec, kv, CachedLatency(base), eos_token_id=tok.eos_token_id,
+                                   slo=slo)
+    except BaseException:
+        ex.close()
+        raise
+    name = served_model_name or model
+    metrics = ServerMetrics(name, base, spec.num_layers)
+    engine = Engine(scheduler, ex, stream=True, on_launch=metrics.on_launch, on_step=metrics.on_step)
+    thread_init = None if cpu else (lambda: torch.cuda.set_device(ex.device))
+    return BulletServer(engine, tok, metrics, model_name=name, max_waiting=max_waiting, api_key=api_key,
+                        window_s=window_s, thread_init=thread_init)
+
+
+__all__ = ["CPU_NUM_BLOCKS", "build_server"]

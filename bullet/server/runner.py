@@ -1,0 +1,145 @@
+"""The engine's own thread: requests and aborts come in through a thread-safe queue, every step's updates go
+out through ``deliver`` (called on the engine thread; the server hands them to its event loop).
+
+The thread blocks on the queue while the engine is idle; otherwise it steps with ``until = now + window``, so
+that a request arriving during a launch is added (and may start on an idle lane) within about ``window``
+seconds, and fused decode launches are sized to end about then when a new arrival could join them.
+
+Shutdown (``close``): no more requests are taken; the engine finishes what it holds until the deadline, then
+aborts the rest (their KV is freed as their launches return) and the thread ends once it is idle. If a step
+raises, every held request and every request still queued ends with the error, later submissions are refused
+(:class:`EngineDead`), and ``error`` says what happened: nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ..engine import Engine, Update
+from ..request import Request
+
+log = logging.getLogger("bullet.server")
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped (closed, or a step raised); no request can be taken."""
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, deliver: Callable[[list[Update]], None], *, window_s: float = 0.01,
+                 idle_poll_s: float = 0.1, after_step: Callable[[Engine], None] | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
+        if window_s <= 0:
+            raise ValueError("EngineRunner: window_s must be > 0")
+        self.engine = engine
+        self.deliver = deliver
+        self.window_s, self.idle_poll_s = window_s, idle_poll_s
+        self.after_step, self.thread_init = after_step, thread_init
+        self.error: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.RLock()  # orders submissions against the end; re-entrant: a signal handler
+        # may call close() on the thread that is inside submit()
+        self._taking = True
+        self._deadline: float | None = None  # wall clock (time.monotonic) after which held requests are aborted
+        self._aborted_all = False
+        self._thread = threading.Thread(target=self._run, name="bullet-engine", daemon=True)
+
+    # ---- any thread ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` for the engine; EngineDead if the engine takes no more requests."""
+        with self._lock:
+            if not self._taking:
+                raise EngineDead(self.error or "the server is shutting down")
+            self._inbox.put(("add", req))
+
+    def abort(self, req_id: int) -> None:
+        self._inbox.put(("abort", req_id))
+
+    def close(self, timeout: float) -> None:
+        """Take no more requests; finish the held ones within ``timeout`` seconds, then abort the rest."""
+        with self._lock:
+            self._taking = False
+            if self._deadline is None:
+                self._deadline = time.monotonic() + timeout
+        self._inbox.put(("wake", None))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; True if it did."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            if self.thread_init is not None:
+                self.thread_init()
+            while True:
+                self._take(block=eng.idle)
+                if self._deadline is not None:
+                    if not self._aborted_all and time.monotonic() >= self._deadline:
+                        self._aborted_all = True
+                        for rid in list(eng.held):
+                            eng.abort(rid, "aborted: the server shut down before the request finished")
+                    if eng.idle and self._inbox.empty():
+                        self.deliver(eng.flush())
+                        return
+                if eng.idle:
+                    ups = eng.flush()
+                else:
+                    ups = eng.step(eng.executor.now() + self.window_s)
+                    if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
+                        for rid in list(eng.held):
+                            eng.abort(rid, "the scheduler stalled: nothing schedulable")
+                        ups += eng.flush()
+                    if self.after_step is not None:
+                        self.after_step(eng)
+                if ups:
+                    self.deliver(ups)
+        except Exception as e:  # the scheduler or the executor raised: its state is not to be trusted
+            log.exception("the engine failed")
+            self._die(f"the engine failed: {type(e).__name__}: {e}")
+
+    def _take(self, block: bool) -> None:
+        """Apply queued adds and aborts; wait for the first one if ``block``."""
+        inbox, eng = self._inbox, self.engine
+        while True:
+            try:
+                kind, item = inbox.get(timeout=self.idle_poll_s) if block else inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                eng.add(item)
+            elif kind == "abort":
+                eng.abort(item)
+
+    def _die(self, why: str) -> None:
+        with self._lock:
+            self.error, self._taking = why, False
+        eng = self.engine
+        ups = eng.fail_all(why)
+        while True:  # requests queued before submissions stopped: they end too
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                item.error = why
+                ups.append(Update(item, finished=True, reason="error"))
+        try:
+            self.deliver(ups)
+        except Exception:
+            log.exception("delivering the engine's last updates failed")
