@@ -379,6 +379,11 @@ def print_summary(s: dict, console: Console) -> None:
     console.print(tput)
 
 
+from .cli_run import register as _register_run  # `bullet run`: live serving (bullet/cli_run.py)
+
+_register_run(app)
+
+
 def main() -> None:
     app()
 
