@@ -193,17 +193,53 @@ def test_fifty_concurrent_streams_get_exactly_their_tokens(live, weights):
     assert live.kv.num_free == live.kv.num_blocks
 
 
-def test_disconnect_frees_the_kv(live):
+@pytest.mark.parametrize("policy,extra", [("prefill-first", {}), ("static-split", {"layers_per_step": 1}),
+                                          ("naive-concurrent", {}), ("bullet", {"layers_per_step": 1})])
+def test_every_policy_serves_concurrent_streams_exactly(weights, policy, extra):
+    s = Live(sched=SchedulerConfig(policy=policy, max_num_seqs=8, max_decode_steps=8, **extra))
+    try:
+        rng = np.random.default_rng(3)
+        bodies = [{"prompt": [int(x) for x in rng.integers(0, SPEC.vocab_size, int(rng.integers(2, 60)))],
+                   "max_tokens": int(rng.integers(3, 12)), "stream": True, "return_token_ids": True,
+                   "temperature": 0, "stream_options": {"include_usage": True}} for _ in range(12)]
+
+        async def all_at_once():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_stream(client, s.url, b) for b in bodies))
+
+        for body, (ids, _, _) in zip(bodies, asyncio.run(all_at_once())):
+            assert ids == greedy(weights, body["prompt"], body["max_tokens"])
+        s.idle()
+        assert s.kv.num_free == s.kv.num_blocks
+        lanes = {dict(lab)["lane"] for name, lab in s.metrics() if name == "bullet:lane_sms"}
+        assert lanes == {"prefill", "decode"} if policy != "prefill-first" else lanes == {"all"}
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_kv(live, stream):
     before = live.metrics().get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0.0)
-    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
-                      json={"prompt": "a long one", "max_tokens": 1500, "stream": True, "ignore_eos": True}) as r:
-        lines = r.iter_lines()
-        got = 0
-        for line in lines:
-            got += line.startswith("data: ")
-            if got == 2:
-                break
-        assert live.server.engine.held  # it is being generated
+    body = {"prompt": "a long one", "max_tokens": 1500, "stream": stream, "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json=body) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                got += line.startswith("data: ")
+                if got == 2:
+                    break
+            assert live.server.engine.held  # it is being generated
+    else:  # the client hangs up while the whole answer is being generated
+        data = json.dumps(body).encode()
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            deadline = time.monotonic() + 60
+            while not live.server.engine.held:
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.005)
     live.idle()  # the client went away: the engine aborted it (bounded wait, see Live.idle)
     kv = live.kv
     assert not kv.tables and kv.num_free == kv.num_blocks
