@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from enum import Enum
 from typing import Annotated
 
@@ -35,7 +36,8 @@ def run(
                                           "a100).")] = "h200",
     policy: Annotated[Policy, typer.Option(help="Scheduling policy.")] = Policy.chunked,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
-    max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step (see bullet simulate "
+    max_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", "--max-batched-tokens",
+                                                    help="Token budget of one step (see bullet simulate "
                                                          "--help).")] = 8192,
     prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition.")] = 92,
     layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per launch.")] = None,
@@ -55,8 +57,9 @@ def run(
                                                        "run; a fused decode launch that a new request could "
                                                        "join ends about this far ahead.")] = 10.0,
     block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
-    num_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: from GPU memory; 1024 on the "
-                                                           "CPU).")] = None,
+    num_blocks: Annotated[int | None, typer.Option("--num-gpu-blocks-override", "--num-blocks",
+                                                   help="KV cache blocks (default: from GPU memory; 1024 on the "
+                                                        "CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, activations "
                                                                "and the KV cache.")] = 0.9,
     prefix_caching: Annotated[bool, typer.Option(help="Reuse the KV of full prompt blocks.")] = True,
@@ -108,10 +111,14 @@ def run(
     except (ConfigError, ValueError, OSError) as e:
         raise fail(str(e)) from None
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
+    # The engine thread and the HTTP event loop share the GIL: hand it over every 1 ms (Python's default is
+    # 5 ms), so a busy event loop delays the engine's next launch by at most about that.
+    sys.setswitchinterval(0.001)
     try:
         run_http(server, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     finally:
-        server.engine.executor.close()
+        if server.runner.join(5.0):  # not after a forced exit: the engine thread may still use the executor
+            server.engine.executor.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -521,7 +521,7 @@ class _Reply:
         if not work.done() or work.cancelled():  # the client went away: nobody to answer
             return Response(status_code=499)
         pieces, last = work.result()
-        if last is not None and last.error is not None and not any(p.token_ids for p in pieces):
+        if last is not None and last.error is not None:  # the server could not finish it: no partial 200
             raise Refused(503, last.error)
         text = "".join(p.text for p in pieces)
         ids = tuple(t for p in pieces for t in p.token_ids)

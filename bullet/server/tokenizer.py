@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -169,8 +170,12 @@ def _load_template(folder: Path, cfg: dict):
     def raise_exception(message):
         raise TokenizeError(f"the chat template refused the messages: {message}")
 
+    def strftime_now(fmt: str) -> str:  # templates that print today's date (as transformers offers them)
+        return datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source)
     except TemplateError as e:
