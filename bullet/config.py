@@ -7,6 +7,7 @@ bad flag or a bad config.json fails before any work starts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -19,7 +20,7 @@ class ConfigError(ValueError):
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"{type(obj).__name__}.{name} must be a positive number, got {value!r}")
 
 
@@ -197,34 +198,33 @@ def resolve_model(name_or_path: str, tp: int | None = None) -> ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
-    """One GPU. ``*_measured`` fields are our own measurements (None where not measured); the rest are
-    vendor datasheet figures."""
+    """One GPU. ``peak_flops``, ``hbm_bandwidth``, ``memory_bytes`` and ``l2_bytes`` are vendor datasheet
+    figures, the ceilings no prediction may beat (the roofline's efficiencies are fractions of them);
+    ``*_measured`` fields are our own measurements, kept for reference (None where not measured)."""
 
     name: str
     num_sms: int
     sm_granule: int  # green-context partitions come in multiples of this many SMs
     sm_remainder: int  # SMs left over when the driver splits the device into granule groups (nested_sizes)
-    peak_flops: float  # dense bf16, datasheet
+    peak_flops: float  # dense bf16 tensor-core FLOP/s, datasheet
     hbm_bandwidth: float  # bytes/s, datasheet
     memory_bytes: int
     l2_bytes: int
-    matmul_flops_measured: float | None = None  # bf16 8192^3 GEMM
+    matmul_flops_measured: float | None = None  # bf16 8192^3 GEMM, full GPU
     copy_bandwidth_measured: float | None = None  # device-to-device copy, reads + writes
 
     def __post_init__(self) -> None:
         _positive(self, "num_sms", "sm_granule", "peak_flops", "hbm_bandwidth", "memory_bytes", "l2_bytes")
         if self.sm_remainder < 0:
             raise ConfigError("GpuSpec.sm_remainder must be >= 0")
+        for measured, peak in (("matmul_flops_measured", "peak_flops"), ("copy_bandwidth_measured", "hbm_bandwidth")):
+            value = getattr(self, measured)
+            if value is not None:
+                _positive(self, measured)
+                if value > getattr(self, peak):
+                    raise ConfigError(f"GpuSpec.{measured} ({value:g}) exceeds the datasheet {peak} "
+                                      f"({getattr(self, peak):g})")
         nested_sizes(self.num_sms, self.sm_granule, self.sm_remainder)  # validates the split
-
-    @property
-    def flops(self) -> float:
-        """The matmul rate to plan with: measured where we have it, else datasheet."""
-        return self.matmul_flops_measured or self.peak_flops
-
-    @property
-    def bandwidth(self) -> float:
-        return self.copy_bandwidth_measured or self.hbm_bandwidth
 
     @property
     def prefill_sizes(self) -> tuple[int, ...]:
@@ -243,7 +243,7 @@ def nested_sizes(num_sms: int, granule: int, remainder: int) -> tuple[tuple[int,
     partition is the remainder plus groups taken from one end (``remainder + granule * k``), a decode
     partition groups from the other end (``granule * j``), ``1 <= k, j < G``. So any prefill size ``p`` and
     decode size ``d`` with ``p + d <= num_sms`` are disjoint (:func:`check_corun`). The remainder goes to
-    prefill: skinny decode GEMMs gain nothing from it, big prefill GEMMs do (BACKGROUND.md, measured on the
+    prefill: skinny decode GEMMs gain nothing from it, big prefill GEMMs do (docs/background.md, measured on the
     H200), and alone it is too small to be worth a context (cuBLAS failed on the H200's 12-SM remainder).
     The whole GPU (``num_sms``) is an ordinary stream, not a green context."""
     groups = (num_sms - remainder) // granule
@@ -270,16 +270,22 @@ def check_corun(prefill_sms: int, decode_sms: int, num_sms: int) -> None:
 
 
 GB = 10**9
+# Sources. Datasheets: "NVIDIA H200 Tensor Core GPU" (H200 SXM: 989 TFLOP/s dense BF16 -- 1,979 with
+# sparsity --, 4.8 TB/s HBM3e, 141 GB), "NVIDIA H100 Tensor Core GPU" (H100 SXM: 989 TFLOP/s dense BF16,
+# 3.35 TB/s HBM3, 80 GB), "NVIDIA A100 Tensor Core GPU" (A100 SXM 80GB: 312 TFLOP/s dense BF16, 2,039 GB/s
+# HBM2e, 80 GB). SM counts and L2 sizes: NVIDIA's Hopper and Ampere architecture whitepapers (H100 SXM5: 132
+# SMs, 50 MB L2; A100: 108 SMs, 40 MB L2). Measured on our H200 (driver 580, CUDA 13.0; bench/RESULTS.md and
+# docs/background.md): 132 SMs, 60 MB L2 (as reported by the device), 791 TFLOP/s bf16 8192^3 GEMM, ~4.3 TB/s
+# device copy, 8-SM green-context granule, 15 groups of 8 plus a 12-SM remainder.
+# Green-context granules: CUDA driver API docs of cuDevSmResourceSplitByCount (compute 9.x: multiples of 8 SMs;
+# 8.x: multiples of 2, at least 4).
 GPUS: dict[str, GpuSpec] = {
-    # H200 SXM: datasheet 989 TFLOP/s dense bf16, 4.8 TB/s, 141 GB; measured on our H200 (BACKGROUND.md):
-    # 791 TFLOP/s 8192^3 bf16 GEMM, ~4.3 TB/s device copy, 8-SM green-context granule, 60 MB L2.
-    # Its driver splits the 132 SMs into 15 groups of 8 plus a 12-SM remainder (measured, driver 580).
     "h200": GpuSpec("h200", 132, 8, 12, 989e12, 4.8e12, 141 * GB, 60 * 2**20, 791e12, 4.3e12),
-    # H100 SXM 80 GB: datasheet figures only; granule 8 per CUDA's green-context rules for compute 9.0; the
-    # 15 x 8 + 12 split is assumed from the H200, whose GH100 die has the same 132-SM configuration.
+    # H100 SXM 80 GB: datasheet and whitepaper figures only; the 15 x 8 + 12 split is assumed from the H200,
+    # whose GH100 die has the same 132-SM configuration (not measured).
     "h100": GpuSpec("h100", 132, 8, 12, 989e12, 3.35e12, 80 * GB, 50 * 2**20),
-    # A100 SXM 80 GB: datasheet; compute 8.x green contexts split in steps of 2 SMs (minimum 4); 108 SMs
-    # assumed to split into 54 pairs with no remainder (not measured).
+    # A100 SXM 80 GB: datasheet and whitepaper figures only; 108 SMs assumed to split into 54 pairs with no
+    # remainder (not measured).
     "a100": GpuSpec("a100", 108, 2, 0, 312e12, 2.039e12, 80 * GB, 40 * 2**20),
 }
 
@@ -333,6 +339,17 @@ class SloConfig:
 
     def ttft_target(self, prompt_len: int) -> float | None:
         return self.ttft_per_token * prompt_len if self.ttft_per_token is not None else self.ttft
+
+
+# SLO sets by name (``bullet simulate --slo``). The paper's are the Bullet paper's evaluation SLOs per workload
+# (Lin et al., arXiv 2504.19516): TTFT per prompt token and TPOT. ``tight`` is an interactive target of this
+# project's policy study (bench/policy_study.py): 500 ms to the first token, 50 ms per output token.
+SLO_PRESETS: dict[str, SloConfig] = {
+    "paper-sharegpt": SloConfig(ttft=None, ttft_per_token=3.0e-3, tpot=0.150),
+    "paper-azure-code": SloConfig(ttft=None, ttft_per_token=1.5e-3, tpot=0.200),
+    "paper-arxiv": SloConfig(ttft=None, ttft_per_token=1.5e-3, tpot=0.175),
+    "tight": SloConfig(ttft=0.5, tpot=0.050),
+}
 
 
 PolicyName = Literal["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]

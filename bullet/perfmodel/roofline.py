@@ -16,9 +16,13 @@ all-reduces per layer. Each kernel takes::
   ``c(u) = c0 * min(1 + partition_boost, (N / u) ** (1/3))`` the per-SM rate of a power-capped clock: with
   fewer SMs drawing power the clock runs higher, which is what the H200 8192^3 scaling shows (0.54 of
   full speed on 64 of 132 SMs). Counting busy rather than partition SMs keeps time non-increasing in SMs.
+  ``c0 = gemm_efficiency * gpu.peak_flops / N``.
 * ``T_memory = bytes / D(n)``, ``D(n) = D_max * x / (1 + x^p) ** (1/p)``, ``x = n * sm_bandwidth / D_max``:
-  linear in SMs (``sm_bandwidth`` each), saturating at ``D_max = hbm_efficiency * gpu.bandwidth`` after
+  linear in SMs (``sm_bandwidth`` each), saturating at ``D_max = hbm_efficiency * gpu.hbm_bandwidth`` after
   the knee ``n_d = D_max / sm_bandwidth``; ``p = knee_sharpness``.
+* Efficiencies are fractions of each GPU's own datasheet peaks (``GpuSpec.peak_flops``, ``hbm_bandwidth``),
+  at most 1, and ``gemm_efficiency * (1 + partition_boost) <= 1``: no prediction is faster than the datasheet
+  allows, on any GPU and any partition (tested for every preset).
 * Contention: a co-runner ``co`` on ``co_sms`` other SMs draws ``u = bytes(co) / T(co alone)`` of HBM
   bandwidth (share ``rho = u / D_max``, load ``q = rho / (1 - rho)`` as in a queue). This launch then gets
   a proportional share of HBM once both demands exceed it, ``D(n) * min(1, D_max / (D(n) + u))``, further
@@ -58,13 +62,13 @@ MIN_SPLIT_K = 512
 @dataclass(frozen=True, slots=True)
 class RooflineConstants:
     """The model's named constants. The first eight are fitted by bench/perfmodel_calibration.py to the
-    H200 figures in BACKGROUND.md; the rest are assumed, kernel-design or datasheet values; each one's
-    source is in docs/perfmodel.md."""
+    measurements on our H200 (docs/background.md); the rest are assumed, kernel-design or datasheet values;
+    each one's source is in docs/perfmodel.md. Efficiencies are fractions of the GPU's datasheet peaks."""
 
     # fitted (H200, Llama-3.1-8B shapes; bench/perfmodel_calibration.py --fit)
-    gemm_efficiency: float = 1.0189  # c0 = gemm_efficiency * gpu.flops / num_sms: per-SM GEMM rate
+    gemm_efficiency: float = 0.8149  # c0 = gemm_efficiency * gpu.peak_flops / num_sms: per-SM GEMM rate
     partition_boost: float = 0.1166  # max per-SM clock gain when few SMs are busy (power headroom)
-    hbm_efficiency: float = 1.1163  # D_max = hbm_efficiency * gpu.bandwidth (bound: datasheet 4.8 TB/s)
+    hbm_efficiency: float = 1.0  # D_max = hbm_efficiency * gpu.hbm_bandwidth (fitted at its bound, the datasheet)
     sm_bandwidth: float = 58.07e9  # bytes/s one SM streams while HBM is not saturated
     knee_sharpness: float = 1.5341  # p of the smooth min(n * sm_bandwidth, D_max)
     kernel_overhead: float = 5.40e-6  # s per kernel: launch gap, prologue and tail
@@ -92,18 +96,33 @@ class RooflineConstants:
         for name in ("tile_m", "tile_m_small", "tile_n", "blocks_per_sm"):
             if not isinstance(getattr(self, name), int):
                 raise TypeError(f"RooflineConstants.{name} must be an int")
+        # fractions of the datasheet peaks: a kernel cannot beat them, not even on a boosted partition
+        for name in ("hbm_efficiency", "attn_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"RooflineConstants.{name} must be <= 1 (a fraction of the datasheet peak), "
+                                 f"got {getattr(self, name)!r}")
+        if self.gemm_efficiency * (1 + self.partition_boost) > 1:
+            raise ValueError("RooflineConstants.gemm_efficiency * (1 + partition_boost) must be <= 1 (an SM at "
+                             f"its boosted clock cannot beat the datasheet rate), got {self.gemm_efficiency!r} * "
+                             f"(1 + {self.partition_boost!r})")
 
 
 # Fitted on the H200 by bench/perfmodel_calibration.py (table and date in docs/perfmodel.md).
 H200_CONSTANTS = RooflineConstants()
 
-# Per GPU: the same efficiency constants everywhere (each GPU brings its own peaks through GpuSpec);
-# only what is a property of the part itself differs.
+# Per GPU. The efficiencies fitted on the H200 are fractions of the H200's datasheet peaks, and every other GPU
+# applies them to its own datasheet peaks (GpuSpec.peak_flops, hbm_bandwidth): a what-if across GPUs never
+# predicts above a GPU's peak, and GPUs with the same compute (H100, H200) get the same compute times. What is a
+# property of the part itself is set here, with its source; a GPU not listed gets the H200's constants.
 GPU_CONSTANTS: dict[str, RooflineConstants] = {
     "h200": H200_CONSTANTS,
+    # H100 SXM: the H200's GH100 die, SMs, clocks (1980 MHz boost) and 700 W limit, with HBM3 at 3.35 TB/s
+    # instead of HBM3e at 4.8: everything per SM is the H200's; only D_max differs (through GpuSpec).
     "h100": H200_CONSTANTS,
-    # A100: NVLink3, 600 GB/s total = 300 GB/s per direction; ~0.8 of it as NCCL bus bandwidth.
-    "a100": replace(H200_CONSTANTS, allreduce_bandwidth=240e9),
+    # A100 SXM: per-SM streaming rate scaled from the H200's fitted 58.07 GB/s by the boost clocks, 1410 / 1980
+    # MHz (assumed: an SM's loads in flight per clock alike; not measured). NVLink3: 300 GB/s per direction,
+    # ~0.8 of it as NCCL bus bandwidth. The power-capped clock (partition_boost) is assumed like the H200's.
+    "a100": replace(H200_CONSTANTS, sm_bandwidth=58.07e9 * 1410 / 1980, allreduce_bandwidth=240e9),
 }
 
 
@@ -167,9 +186,9 @@ class RooflineModel:
         # Per-SM-count tables, index = SM count (0 unused but finite).
         n = np.arange(N + 1, dtype=np.float64)
         n[0] = 1.0
-        c0 = c.gemm_efficiency * gpu.flops / N
+        c0 = c.gemm_efficiency * gpu.peak_flops / N
         self.inv_c = 1.0 / (c0 * np.minimum(1.0 + c.partition_boost, (N / n) ** CLOCK_POWER_EXPONENT))
-        self.d_max = c.hbm_efficiency * gpu.bandwidth
+        self.d_max = c.hbm_efficiency * gpu.hbm_bandwidth
         x = n * c.sm_bandwidth / self.d_max
         self.bw = self.d_max * x / (1.0 + x ** c.knee_sharpness) ** (1.0 / c.knee_sharpness)
         self.inv_bw = 1.0 / self.bw
