@@ -2,23 +2,121 @@
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import importlib
+import io
 import json
+import math
+import os
+import re
+import shlex
 import sys
+import tempfile
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
+from . import __version__
 from .cli_trace import ArrivalChoice as Arrival
 from .cli_trace import fail, trace_app
-from .config import POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
+from .config import (
+    POLICIES,
+    SLO_PRESETS,
+    CacheConfig,
+    ConfigError,
+    ModelSpec,
+    SchedulerConfig,
+    SloConfig,
+    resolve_gpu,
+    resolve_model,
+)
+from .request import Request
 
-app = typer.Typer(help="bullet: LLM serving with prefill and decode on disjoint SM partitions, and the "
-                       "simulator that plans it.", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False)
+if TYPE_CHECKING:
+    from .traces import TraceTable
+
+# click's UsageError: from the click typer uses (newer typer versions vendor their own copy of click)
+UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_GOODPUT_ITEM = re.compile(r"(ttft|tpot|e2el):", re.IGNORECASE)
+
+
+def expand_goodput(args: list[str]) -> list[str]:
+    """vLLM's ``--goodput ttft:MS tpot:MS`` (one flag, several values) as repeated ``--goodput`` options."""
+    out: list[str] = []
+    i, after_goodput = 0, False
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out + args[i:]
+        if after_goodput and _GOODPUT_ITEM.match(arg):
+            out += ["--goodput", arg]
+        else:
+            out.append(arg)
+            after_goodput = arg.startswith("--goodput=")
+            if arg == "--goodput" and i + 1 < len(args):
+                out.append(args[i + 1])
+                i, after_goodput = i + 1, True
+        i += 1
+    return out
+
+
+class BulletGroup(TyperGroup):
+    """The ``bullet`` command group: reads vLLM's multi-value ``--goodput``, and reports a bad flag of a
+    command (unknown option, value of the wrong type) in one red line with exit code 2, as every other bad
+    input, instead of click's usage box."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, expand_goodput(args))
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as e:
+            raise fail(f"{ctx.invoked_subcommand or 'bullet'}: {e.format_message()}") from None
+
+
+class PlainHelpCommand(TyperCommand):
+    """A command whose --help is click's plain layout, its options grouped under their panel names: at 80
+    columns every flag name stays whole (rich's table truncates long ones)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        super(TyperCommand, self).format_help(ctx, formatter)  # click's own, not Typer's rich one
+
+    def format_options(self, ctx, formatter) -> None:
+        panels: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for name, rows in panels.items():
+            with formatter.section(name):
+                formatter.write_dl(rows)
+
+
+app = typer.Typer(cls=BulletGroup, help="bullet: LLM serving with prefill and decode on disjoint SM partitions, "
+                                        "and the simulator that plans it.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"bullet {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """bullet: LLM serving with prefill and decode on disjoint SM partitions, and the simulator that plans it."""
+
+
 app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
 
 from .cli_validate import validate
@@ -26,102 +124,385 @@ from .cli_validate import validate
 app.command()(validate)
 
 Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
+SloName = Enum("SloName", {k.replace("-", "_"): k for k in ("none", *SLO_PRESETS)}, type=str)
+NO_SLO = SloConfig(ttft=None, tpot=None)
+
+# Flags that mean something to some policies only: flag -> (parameter, the policies it applies to).
+POLICY_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "--prefill-sms": ("prefill_sms", ("static-split",)),
+    "--layers-per-step": ("layers_per_step", ("static-split", "naive-concurrent", "bullet")),
+    "--slo-margin": ("slo_margin", ("bullet",)),
+    "--admission-control": ("admission_control", ("bullet",)),
+    "--decode-sizes": ("decode_sizes", ("bullet",)),
+}
+# Flags that shape generated arrivals: they apply only to a length-only trace at a finite rate.
+ARRIVAL_FLAGS: dict[str, str] = {"--arrival": "arrival", "--cv": "cv", "--burstiness": "burstiness"}
+
+WORKLOAD, POLICY, HARDWARE, SLOS, CACHE, OUTPUT = ("Workload", "Policy", "Model and GPU", "SLOs and metrics",
+                                                   "KV cache", "Output")
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else value / 1e3
 
 
-@app.command()
-def simulate(
-    trace: Annotated[str, typer.Option(help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) "
-                                            "or a bundled trace name: sharegpt, azure-conv, azure-code, arxiv.")]
-    = "sharegpt",
-    trace_format: Annotated[str | None, typer.Option("--format", help="Trace format if detection from "
-                                                        "the header is not wanted: azure, vidur, mooncake, "
-                                                        "lengths.")] = None,
-    policy: Annotated[Policy, typer.Option(help="Scheduling policy.")] = Policy.chunked,
-    model: Annotated[str, typer.Option(help="Model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
-                                            "qwen3-8b) or a Hugging Face config.json / model folder.")]
-    = "llama-3.1-8b",
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree (shapes per GPU); default: "
-                                                   "the preset's.")] = None,
-    gpu: Annotated[str, typer.Option(help="GPU preset: h200, h100, a100.")] = "h200",
-    rate: Annotated[float | None, typer.Option(help="Request rate (req/s): rescales a timed trace's "
-                                                       "arrivals, or generates arrivals for a length-only "
-                                                       "one. Default: the trace's own timing.")] = None,
-    arrival: Annotated[Arrival, typer.Option(help="Arrival process when arrivals are generated.")]
-    = Arrival.poisson,
-    cv: Annotated[float, typer.Option(help="Coefficient of variation of inter-arrival times (gamma).")] = 1.0,
-    num_requests: Annotated[int | None, typer.Option(help="Use the first N requests of the trace.")]
-    = None,
-    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in ms.")] = 3000.0,
-    slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
-    slo_ttft_per_token: Annotated[float | None, typer.Option(
-        help="TTFT SLO in ms per prompt token (Bullet paper: ShareGPT 3.0, Azure-Code 1.5, arXiv 1.5); "
-             "overrides --slo-ttft.")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
-    max_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step: the chunk size of "
-                                                         "chunked prefill / prefill-first; for bullet, the "
-                                                         "cap on its prefill batch (it batches up to where "
-                                                         "the latency model says GEMMs stop gaining).")] = 8192,
-    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition, a prefill "
-                                                  "size of the GPU's nested menu (H200: 20, 28, ..., 124); "
-                                                  "decode gets the rest.")]
-    = 92,
-    layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per "
-                                                               "launch (default: all; bullet: 8).")] = None,
-    slo_margin: Annotated[float, typer.Option(help="bullet: plan decode steps to fit each request's TPOT "
-                                                   "budget with this fraction to spare (latency model error).",
-                                              min=0.0, max=0.99)] = 0.1,
-    admission_control: Annotated[bool, typer.Option(help="bullet: reject at once a request predicted to miss "
-                                                         "its TTFT (counted as rejected) instead of serving "
-                                                         "it best-effort behind the others.")] = False,
-    decode_sizes: Annotated[str | None, typer.Option(help="bullet: comma-separated decode partition sizes it "
-                                                          "may use (default: the whole decode menu; on a GPU "
-                                                          "each size used costs its own decode graphs).")]
-    = None,
-    block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
-    num_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: sized from GPU "
-                                                           "memory).")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, "
-                                                               "activations and KV cache.")] = 0.9,
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse the KV of full prompt blocks that an earlier "
-                                                      "request computed (as vLLM's automatic prefix caching, "
-                                                      "on by default there too). Needs prefix information: "
-                                                      "the trace's hash_ids column or Mooncake hash_ids.")]
-    = True,
-    hash_block_size: Annotated[int, typer.Option(help="Prompt tokens per id in the trace's hash_ids "
-                                                      "(Mooncake: 512).")] = 512,
-    seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).")] = 0,
-    latency: Annotated[str, typer.Option(help="Latency model: 'auto' (the fitted model shipped in "
-                                              "profiles/<gpu>/<model>/model.json if there is one, else the "
-                                              "roofline), 'roofline', 'fitted' (the shipped one), or the path "
-                                              "of a model JSON written by `bullet fit`.")] = "auto",
-    out: Annotated[Path | None, typer.Option(help="Folder for summary.json, requests.csv (or .parquet) "
-                                                     "and timeline.csv.")] = None,
-    parquet: Annotated[bool, typer.Option(help="Write requests.parquet instead of requests.csv.")] = False,
-    plot: Annotated[bool, typer.Option(help="Also write latency.png (TTFT/TPOT/E2E distributions) and "
-                                            "timeline.png (each lane's launches over time) into --out "
-                                            "(needs matplotlib).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout (progress "
-                                                         "goes to stderr).")] = False,
-) -> None:
-    """Simulate serving a trace on a virtual GPU and print latency, throughput and SLO attainment."""
-    if plot and out is None:
-        raise fail("--plot needs --out DIR (the folder the PNG files go to)")
-    from simulator import simulate as run_simulation
-    from simulator.run import latency_model
+def check_finite(values: dict[str, float | None], allow_inf: tuple[str, ...] = ()) -> None:
+    """Every number given must be finite (``inf`` only for the flags in ``allow_inf``)."""
+    for flag, value in values.items():
+        if value is None or math.isfinite(value) or (flag in allow_inf and value == math.inf):
+            continue
+        raise fail(f"{flag} must be a finite number, got {value:g}")
 
-    from .traces import TraceError, load_trace
 
-    for flag, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot),
-                        ("--slo-ttft-per-token", slo_ttft_per_token)):
+def check_policy_flags(policy: str, given: set[str], layers_per_step: int | None, model: ModelSpec) -> None:
+    for flag, (param, policies) in POLICY_FLAGS.items():
+        if param in given and policy not in policies:
+            raise fail(f"{flag} does not apply to --policy {policy} (it is for {', '.join(policies)}): drop it "
+                       "or change --policy")
+    if layers_per_step is not None and layers_per_step > model.num_layers:
+        raise fail(f"--layers-per-step {layers_per_step} is more than the {model.num_layers} layers of "
+                   f"{model.name}")
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """``vllm bench serve --goodput`` items ``ttft:MS`` / ``tpot:MS`` -> {'ttft': ms, 'tpot': ms}."""
+    out: dict[str, float] = {}
+    for item in items:
+        for part in item.replace(",", " ").split():
+            key, sep, value = part.partition(":")
+            key = key.lower()
+            if not sep or key not in ("ttft", "tpot", "e2el"):
+                raise fail(f"--goodput takes ttft:MS and tpot:MS, got {part!r}")
+            if key == "e2el":
+                raise fail("--goodput e2el: an end-to-end latency SLO is not supported (give ttft and tpot)")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = math.nan
+            if not (math.isfinite(ms) and ms > 0):
+                raise fail(f"--goodput {key}: expected a positive number of milliseconds, got {value!r}")
+            if key in out:
+                raise fail(f"--goodput names {key} twice")
+            out[key] = ms
+    return out
+
+
+def slo_config(preset: str, given: set[str], ttft_ms: float | None, ttft_per_token_ms: float | None,
+               tpot_ms: float | None, goodput: dict[str, float]) -> SloConfig:
+    """The SLOs: ``--goodput`` alone (vLLM: exactly the targets it names), or the ``--slo`` set with any of
+    ``--slo-ttft`` / ``--slo-ttft-per-token`` / ``--slo-tpot`` replacing its values."""
+    own = [f for f, p in (("--slo", "slo"), ("--slo-ttft", "slo_ttft"), ("--slo-tpot", "slo_tpot"),
+                          ("--slo-ttft-per-token", "slo_ttft_per_token")) if p in given]
+    if goodput:
+        if own:
+            raise fail(f"give --goodput or {', '.join(own)}, not both")
+        return SloConfig(ttft=_ms(goodput.get("ttft")), tpot=_ms(goodput.get("tpot")))
+    if ttft_ms is not None and ttft_per_token_ms is not None:
+        raise fail("give --slo-ttft (absolute) or --slo-ttft-per-token, not both")
+    for flag, value in (("--slo-ttft", ttft_ms), ("--slo-tpot", tpot_ms), ("--slo-ttft-per-token", ttft_per_token_ms)):
         if value is not None and value <= 0:
             raise fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
+    base = NO_SLO if preset == "none" else SLO_PRESETS[preset]
+    ttft, per_token, tpot = base.ttft, base.ttft_per_token, base.tpot
+    if ttft_ms is not None:
+        ttft, per_token = _ms(ttft_ms), None
+    if ttft_per_token_ms is not None:
+        ttft, per_token = None, _ms(ttft_per_token_ms)
+    if tpot_ms is not None:
+        tpot = _ms(tpot_ms)
+    return SloConfig(ttft=ttft, ttft_per_token=per_token, tpot=tpot)
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``--metric-percentiles 50,90,99`` (vLLM's form: comma-separated, each in (0, 100])."""
+    out: list[float] = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            p = math.nan
+        if not (0 < p <= 100):
+            raise fail(f"--metric-percentiles takes comma-separated numbers in (0, 100], got {part.strip()!r}")
+        if p in out:
+            raise fail(f"--metric-percentiles names {p:g} twice")
+        out.append(p)
+    return tuple(out)
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail now, not after the simulation, where ``out`` cannot be a folder to write into. Nothing is created:
+    the folder itself is made when the files are written."""
+    if out.exists() and not out.is_dir():
+        raise fail(f"--out {out}: exists and is not a folder")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise fail(f"--out {out}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".bullet-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise fail(f"--out {out}: cannot write in {probe}: {e.strerror or e}") from None
+
+
+def need_module(module: str, flag: str, extra: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise fail(f"{flag} needs {module}: pip install -e '.[{extra}]'") from None
+
+
+def trace_row_lines(path: Path, fmt: str) -> list[int]:
+    """The 1-based line of each data row of a trace file, in file order (blank lines skipped, as the readers
+    skip them)."""
+    text = path.read_text(encoding="utf-8-sig")
+    if fmt == "mooncake":
+        return [i for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    reader = csv.reader(io.StringIO(text))
+    next(reader)
+    return [reader.line_num for row in reader if row and not (len(row) == 1 and not row[0].strip())]
+
+
+def trace_line(table: TraceTable, req_id: int) -> int:
+    """The file line of the request ``load_trace`` numbered ``req_id`` from ``table``: ids follow arrival order
+    (a stable sort of the rows by time) from the first row, and file order in a length-only trace."""
+    import numpy as np
+
+    row = req_id if table.arrivals is None else int(np.argsort(table.arrivals, kind="stable")[req_id])
+    return trace_row_lines(Path(table.path), table.format)[row]
+
+
+def too_long(requests: list[Request], model: ModelSpec, blocks: int, block_size: int) -> list[tuple[Request, str]]:
+    """The requests no server could hold, each with why: more positions than the model has, or more KV than
+    the whole cache."""
+    out = []
+    for r in requests:
+        total = r.prompt_len + r.max_new_tokens
+        need = -(-total // block_size)
+        if total <= model.max_position and need <= blocks:
+            continue
+        lengths = f"{r.prompt_len} prompt + {r.max_new_tokens} output tokens"
+        if total > model.max_position:
+            why = f"{lengths} need {total} positions, more than {model.name} has ({model.max_position})"
+        else:
+            why = (f"{lengths} need {need} KV blocks of {block_size} tokens, more than the whole cache holds "
+                   f"({blocks}; see --gpu-memory-utilization, --num-gpu-blocks-override)")
+        out.append((r, why))
+    return out
+
+
+def load_requests(trace: str, fmt: str | None, num_requests: int | None, rate: float | None, arrival: str,
+                  cv: float, seed: int, hash_block_size: int, given: set[str]) -> tuple[list[Request], TraceTable]:
+    """The trace's requests and its table. ``rate`` inf: every request arrives at once (``vllm bench serve
+    --request-rate inf``). Arrival flags where arrivals are not generated (a timed trace, or rate inf) are
+    refused."""
+    from .traces import load_trace, read_table
+
+    table = read_table(trace, fmt, hash_block_size=hash_block_size)
+    arrival_flags = [f for f, p in ARRIVAL_FLAGS.items() if p in given]
+    if arrival_flags and rate == math.inf:
+        raise fail(f"{', '.join(arrival_flags)} shape generated arrivals; --request-rate inf sends every request "
+                   "at once")
+    if arrival_flags and table.arrivals is not None:
+        raise fail(f"{', '.join(arrival_flags)} shape generated arrivals, but {table.path} has arrival times "
+                   "(--request-rate rescales them, keeping their burst shape)")
+    if "cv" in given and arrival != "gamma":
+        raise fail(f"--cv applies to --arrival gamma, not {arrival}")
+    if table.arrivals is None and rate is None:
+        raise fail(f"{table.path} has no arrival times (a length-only trace): give --request-rate to generate "
+                   "them")
+    load_rate = rate if rate != math.inf else (None if table.arrivals is not None else 1.0)
+    requests = load_trace(trace, fmt, num_requests=num_requests, rate=load_rate, arrival_process=arrival, cv=cv,
+                          seed=seed, hash_block_size=hash_block_size)
+    if rate == math.inf:
+        for r in requests:
+            r.arrival = 0.0
+    return requests, table
+
+
+def reproduce_command(st: dict) -> str:
+    """The ``bullet simulate`` command line that reruns a run from its recorded settings, every one explicit."""
+    args = ["bullet", "simulate", "--trace", st["trace"], "--format", st["format"]]
+    if st["num_prompts"] is not None:
+        args += ["--num-prompts", str(st["num_prompts"])]
+    if st["request_rate"] is not None:
+        args += ["--request-rate", str(st["request_rate"])]
+    if st["arrival"] is not None:
+        args += ["--arrival", st["arrival"]] + (["--cv", repr(st["cv"])] if st["cv"] is not None else [])
+    args += ["--seed", str(st["seed"])]
+    if st["max_concurrency"] is not None:
+        args += ["--max-concurrency", str(st["max_concurrency"])]
+    if st["skip_oversized"]:
+        args.append("--skip-oversized")
+    args += ["--policy", st["policy"], "--max-num-seqs", str(st["max_num_seqs"]),
+             "--max-num-batched-tokens", str(st["max_num_batched_tokens"])]
+    for flag, (param, _) in POLICY_FLAGS.items():
+        value = st.get(param)
+        if value is None or value is False:
+            continue
+        args += [flag] if value is True else [flag, ",".join(map(str, value)) if isinstance(value, list) else
+                                              repr(value) if isinstance(value, float) else str(value)]
+    args += ["--model", st["model"], "--tensor-parallel-size", str(st["tensor_parallel_size"]), "--gpu", st["gpu"],
+             "--latency", st["latency"], "--slo", st["slo"] or "none"]
+    if st["slo"] is None:
+        for flag, key in (("--slo-ttft", "slo_ttft_ms"), ("--slo-ttft-per-token", "slo_ttft_per_token_ms"),
+                          ("--slo-tpot", "slo_tpot_ms")):
+            if st[key] is not None:
+                args += [flag, repr(st[key])]
+    args += ["--block-size", str(st["block_size"])]
+    if st["num_gpu_blocks_override"] is not None:
+        args += ["--num-gpu-blocks-override", str(st["num_gpu_blocks_override"])]
+    else:
+        args += ["--gpu-memory-utilization", repr(st["gpu_memory_utilization"])]
+    args += ["--prefix-caching" if st["prefix_caching"] else "--no-prefix-caching",
+             "--hash-block-size", str(st["hash_block_size"]),
+             "--metric-percentiles", ",".join(f"{p:g}" for p in st["metric_percentiles"])]
+    return shlex.join(args)
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@app.command(cls=PlainHelpCommand)
+def simulate(
+    ctx: typer.Context,
+    trace: Annotated[str, typer.Option(
+        help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) or a bundled trace: sharegpt, "
+             "azure-conv, azure-code, arxiv.", rich_help_panel=WORKLOAD)] = "sharegpt",
+    trace_format: Annotated[str | None, typer.Option(
+        "--format", help="Trace format, if not detected from the header: azure, vidur, mooncake, lengths.",
+        rich_help_panel=WORKLOAD)] = None,
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-prompts", "--num-requests", min=1, help="Use the first N requests (by arrival).",
+        rich_help_panel=WORKLOAD)] = None,
+    request_rate: Annotated[float | None, typer.Option(
+        "--request-rate", "--rate", help="Requests/s: rescales a timed trace's arrivals (burst shape kept) or "
+        "generates arrivals for a length-only one; inf: all at once. [default: the trace's timing]",
+        show_default=False, rich_help_panel=WORKLOAD)] = None,
+    arrival: Annotated[Arrival, typer.Option(
+        help="Arrival process, where arrivals are generated (length-only traces).", rich_help_panel=WORKLOAD)]
+    = Arrival.poisson,
+    cv: Annotated[float, typer.Option(help="--arrival gamma: coefficient of variation of the gaps.",
+                                      rich_help_panel=WORKLOAD)] = 1.0,
+    burstiness: Annotated[float | None, typer.Option(
+        help="vLLM's name for gamma arrivals: shape B, CV 1/sqrt(B) (1: Poisson, < 1: burstier).",
+        show_default=False, rich_help_panel=WORKLOAD)] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).",
+                                      rich_help_panel=WORKLOAD)] = 0,
+    max_concurrency: Annotated[int | None, typer.Option(
+        min=1, help="As vllm bench serve: at most N requests in the server; later ones wait at the client and "
+        "are timed from when they are sent.", rich_help_panel=WORKLOAD)] = None,
+    skip_oversized: Annotated[bool, typer.Option(
+        "--skip-oversized", help="Leave out requests longer than the model or the whole KV cache (counted in "
+        "the summary) instead of stopping at the first.", rich_help_panel=WORKLOAD)] = False,
+    hash_block_size: Annotated[int, typer.Option(
+        help="Prompt tokens per id in the trace's hash_ids (Mooncake: 512).", rich_help_panel=WORKLOAD)] = 512,
+    policy: Annotated[Policy, typer.Option(help="Scheduling policy.", rich_help_panel=POLICY)] = Policy.chunked,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.", rich_help_panel=POLICY)]
+    = 256,
+    max_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", "--max-batched-tokens", help="Token budget of a step: the chunk size of "
+        "chunked and prefill-first; the prefill batch cap of the split policies.", rich_help_panel=POLICY)]
+    = 8192,
+    prefill_sms: Annotated[int, typer.Option(
+        help="static-split: SMs of the prefill partition, from the GPU's menu (H200: 20, 28, ..., 124); "
+        "decode gets the rest.", rich_help_panel=POLICY)] = 92,
+    layers_per_step: Annotated[int | None, typer.Option(
+        min=1, help="static-split, naive-concurrent, bullet: prefill layers per launch. [default: all; "
+        "bullet: 8]", show_default=False, rich_help_panel=POLICY)] = None,
+    slo_margin: Annotated[float, typer.Option(
+        min=0.0, max=0.99, help="bullet: fit decode steps into each request's TPOT budget with this fraction to "
+        "spare.", rich_help_panel=POLICY)] = 0.1,
+    admission_control: Annotated[bool, typer.Option(
+        help="bullet: reject at once a request predicted to miss its TTFT.", rich_help_panel=POLICY)] = False,
+    decode_sizes: Annotated[str | None, typer.Option(
+        help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",
+        show_default=False, rich_help_panel=POLICY)] = None,
+    model: Annotated[str, typer.Option(
+        help="llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, qwen3-8b, or a Hugging Face config.json / folder.",
+        rich_help_panel=HARDWARE)] = "llama-3.1-8b",
+    tp: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "-tp", "--tp", min=1, help="Tensor-parallel degree. [default: the preset's]",
+        show_default=False, rich_help_panel=HARDWARE)] = None,
+    gpu: Annotated[str, typer.Option(help="GPU preset: h200, h100, a100.", rich_help_panel=HARDWARE)] = "h200",
+    latency: Annotated[str, typer.Option(
+        help="Latency model: auto (the fitted one shipped for this model and GPU, else roofline), roofline, "
+        "fitted, or a model JSON from `bullet fit`.", rich_help_panel=HARDWARE)] = "auto",
+    slo: Annotated[SloName, typer.Option(
+        help="SLO set: the Bullet paper's per workload (TTFT ms per prompt token / TPOT ms: sharegpt 3/150, "
+        "azure-code 1.5/200, arxiv 1.5/175), tight (500 ms / 50 ms) or none.", rich_help_panel=SLOS)]
+    = SloName.paper_sharegpt,
+    slo_ttft: Annotated[float | None, typer.Option(
+        help="TTFT SLO in ms (replaces the set's).", show_default=False, rich_help_panel=SLOS)] = None,
+    slo_ttft_per_token: Annotated[float | None, typer.Option(
+        help="TTFT SLO in ms per prompt token (replaces the set's).", show_default=False, rich_help_panel=SLOS)]
+    = None,
+    slo_tpot: Annotated[float | None, typer.Option(
+        help="TPOT SLO in ms (replaces the set's).", show_default=False, rich_help_panel=SLOS)] = None,
+    goodput: Annotated[list[str] | None, typer.Option(
+        metavar="KEY:MS", help="As vllm bench serve: --goodput ttft:MS tpot:MS; exactly these SLOs (instead of --slo).",
+        show_default=False, rich_help_panel=SLOS)] = None,
+    metric_percentiles: Annotated[str, typer.Option(
+        help="Percentiles reported besides the mean, comma-separated.", rich_help_panel=SLOS)] = "50,90,99",
+    block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.", rich_help_panel=CACHE)] = 16,
+    num_blocks: Annotated[int | None, typer.Option(
+        "--num-gpu-blocks-override", "--num-blocks", help="KV cache blocks. [default: what fits in GPU memory]",
+        show_default=False, rich_help_panel=CACHE)] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="Fraction of GPU memory for weights, activations and KV cache.", rich_help_panel=CACHE)] = 0.9,
+    prefix_caching: Annotated[bool, typer.Option(
+        help="Reuse the KV of full prompt blocks computed before (needs the trace's hash_ids).",
+        rich_help_panel=CACHE)] = True,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for summary.json, requests.csv (or .parquet) and timeline.csv.", show_default=False,
+        rich_help_panel=OUTPUT)] = None,
+    parquet: Annotated[bool, typer.Option(help="requests.parquet instead of .csv (needs pandas, pyarrow).",
+                                          rich_help_panel=OUTPUT)] = False,
+    plot: Annotated[bool, typer.Option(help="Also latency.png and timeline.png in --out (needs matplotlib).",
+                                       rich_help_panel=OUTPUT)] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.",
+                                          rich_help_panel=OUTPUT)] = False,
+) -> None:
+    """Simulate serving a trace on a virtual GPU: latency, throughput, SLO attainment and goodput."""
+    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    # Everything that can be wrong is found before the simulation runs.
+    check_finite({"--request-rate": request_rate, "--cv": cv, "--burstiness": burstiness, "--slo-ttft": slo_ttft,
+                  "--slo-tpot": slo_tpot, "--slo-ttft-per-token": slo_ttft_per_token, "--slo-margin": slo_margin,
+                  "--gpu-memory-utilization": gpu_memory_utilization}, allow_inf=("--request-rate",))
+    if request_rate is not None and request_rate <= 0:
+        raise fail(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
+    if burstiness is not None:
+        if burstiness <= 0:
+            raise fail(f"--burstiness must be positive, got {burstiness:g}")
+        if ("arrival" in given and arrival != Arrival.gamma) or "cv" in given:
+            raise fail("--burstiness sets gamma arrivals with CV 1/sqrt(B): give it or --arrival/--cv, not both")
+        arrival, cv = Arrival.gamma, 1.0 / math.sqrt(burstiness)
+    if plot and out is None:
+        raise fail("--plot needs --out DIR (the folder the PNG files go to)")
+    if out is not None:
+        check_out_dir(out)
+    if parquet:
+        if out is None:
+            raise fail("--parquet needs --out DIR (the folder requests.parquet goes to)")
+        need_module("pandas", "--parquet", "data")
+        need_module("pyarrow", "--parquet", "data")
+    if plot:
+        need_module("matplotlib", "--plot", "plot")
+    percentiles = parse_percentiles(metric_percentiles)
+    slo_cfg = slo_config(slo.value, given, slo_ttft, slo_ttft_per_token, slo_tpot, parse_goodput(goodput or []))
+    slo_name = None if given & {"slo_ttft", "slo_ttft_per_token", "slo_tpot", "goodput"} else slo.value
+    from simulator import simulate as run_simulation
+    from simulator.run import latency_model, latency_name
+
+    from .traces import TraceError
+
     try:
         model_spec = resolve_model(model, tp)
         gpu_spec = resolve_gpu(gpu)
+        check_policy_flags(policy.value, given, layers_per_step, model_spec)
         sizes = None
         if decode_sizes:
             try:
@@ -134,13 +515,22 @@ def simulate(
                                 admission_control=admission_control, decode_sizes=sizes)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
-        slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
-        requests = load_trace(trace, trace_format, num_requests=num_requests, rate=rate,
-                              arrival_process=arrival.value, cv=cv, seed=seed,
-                              hash_block_size=hash_block_size)
+        kv_blocks = cache.blocks_for(model_spec, gpu_spec)
+        requests, table = load_requests(trace, trace_format, num_requests, request_rate, arrival.value, cv, seed,
+                                        hash_block_size, given)
         latency_backend = latency_model(latency, model_spec, gpu_spec)
     except (ConfigError, TraceError) as e:
         raise fail(str(e)) from None
+    oversized = too_long(requests, model_spec, kv_blocks, block_size)
+    if oversized and not skip_oversized:
+        req, why = oversized[0]
+        others = f" ({len(oversized) - 1} more such requests)" if len(oversized) > 1 else ""
+        raise fail(f"{table.path}:{trace_line(table, req.id)}: {why}{others}; --skip-oversized leaves them out")
+    if oversized:
+        drop = {r.id for r, _ in oversized}
+        requests = [r for r in requests if r.id not in drop]
+        if not requests:
+            raise fail(f"{table.path}: every request is too long: {oversized[0][1]}")
     console = Console(stderr=as_json)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -157,32 +547,66 @@ def simulate(
                 bar.update(task, completed=count)
 
         try:
-            result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo, latency=latency_backend,
-                                    on_finish=advance)
-        except (ConfigError, RuntimeError) as e:
+            result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo_cfg, latency=latency_backend,
+                                    on_finish=advance, max_concurrency=max_concurrency, percentiles=percentiles)
+        except (ConfigError, RuntimeError, ValueError) as e:
             raise fail(str(e)) from None
     summary = result.summary
     summary["trace"] = trace
+    summary["skipped_oversized"] = len(oversized)
+    generated = table.arrivals is None and request_rate != math.inf
+    settings = {
+        "trace": trace, "trace_file": table.path, "trace_sha256": _sha256(table.path), "format": table.format,
+        "num_prompts": num_requests, "request_rate": None if request_rate is None else
+        ("inf" if request_rate == math.inf else request_rate),
+        "arrival": arrival.value if generated else None,
+        "cv": cv if generated and arrival == Arrival.gamma else None, "seed": seed,
+        "max_concurrency": max_concurrency, "skip_oversized": skip_oversized,
+        "policy": policy.value, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched_tokens,
+        "prefill_sms": prefill_sms if policy.value == "static-split" else None,
+        "layers_per_step": layers_per_step,
+        "slo_margin": slo_margin if policy.value == "bullet" else None,
+        "admission_control": admission_control if policy.value == "bullet" else None,
+        "decode_sizes": list(sizes) if sizes else None,
+        "model": model, "tensor_parallel_size": model_spec.tp, "gpu": gpu_spec.name, "latency": latency,
+        "latency_model": latency_name(latency_backend),
+        "slo": slo_name, "slo_ttft_ms": None if slo_cfg.ttft is None else slo_cfg.ttft * 1e3,
+        "slo_ttft_per_token_ms": None if slo_cfg.ttft_per_token is None else slo_cfg.ttft_per_token * 1e3,
+        "slo_tpot_ms": None if slo_cfg.tpot is None else slo_cfg.tpot * 1e3,
+        "block_size": block_size, "num_gpu_blocks_override": num_blocks,
+        "gpu_memory_utilization": gpu_memory_utilization, "prefix_caching": prefix_caching,
+        "hash_block_size": hash_block_size, "metric_percentiles": list(percentiles), "bullet_version": __version__,
+    }
+    settings["command"] = reproduce_command(settings)
+    summary["settings"] = settings
     if out is not None:
-        from .metrics import write_json, write_requests
-
-        write_json(summary, out / "summary.json")
-        write_requests(result.columns, out / ("requests.parquet" if parquet else "requests.csv"))
-        result.timeline.write_csv(out / "timeline.csv")
-        if plot:
-            try:
-                from .plots import plot_run
-            except ImportError:
-                raise fail("--plot needs matplotlib: pip install matplotlib") from None
-            plot_run(result.columns, result.timeline, summary, out)
+        write_outputs(result, summary, out, parquet, plot)
     if as_json:
-        json.dump(summary, sys.stdout, indent=2)
+        from .metrics import json_safe
+
+        json.dump(json_safe(summary), sys.stdout, indent=2, allow_nan=False)
         sys.stdout.write("\n")
     else:
         print_summary(summary, console)
         if out is not None:
             console.print(f"wrote {out}/summary.json, requests.{'parquet' if parquet else 'csv'}, timeline.csv"
                           + (", latency.png, timeline.png" if plot else ""))
+
+
+def write_outputs(result, summary: dict, out: Path, parquet: bool, plot: bool) -> None:
+    """Every output file, each written to a temporary name and renamed."""
+    from .metrics import write_json, write_requests
+
+    try:
+        write_json(summary, out / "summary.json")
+        write_requests(result.columns, out / ("requests.parquet" if parquet else "requests.csv"))
+        result.timeline.write_csv(out / "timeline.csv")
+        if plot:
+            from .plots import plot_run
+
+            plot_run(result.columns, result.timeline, summary, out)
+    except OSError as e:
+        raise fail(f"--out {out}: cannot write: {e.strerror or e}") from None
 
 
 def _gpu_short_name(name: str) -> str:
@@ -344,17 +768,25 @@ def print_fit_table(model: dict, console: Console) -> None:
 
 def print_summary(s: dict, console: Console) -> None:
     slo = s["slo"]
-    ttft_slo = (f"{slo['ttft_per_token_ms']:g} ms/token" if slo["ttft_per_token_ms"] is not None
-                else f"{slo['ttft_ms']:g} ms")
+    parts = []
+    if slo["ttft_per_token_ms"] is not None:
+        parts.append(f"TTFT {slo['ttft_per_token_ms']:g} ms/token")
+    elif slo["ttft_ms"] is not None:
+        parts.append(f"TTFT {slo['ttft_ms']:g} ms")
+    if slo["tpot_ms"] is not None:
+        parts.append(f"TPOT {slo['tpot_ms']:g} ms")
+    name = s.get("settings", {}).get("slo")
+    slo_text = (", ".join(parts) or "no SLO") + (f"; {name}" if name and name != "none" else "")
     title = (f"{s['policy']} · {s['model']} on {s['gpu']} · {s['requests']} requests · "
              f"{s['duration_s']:.1f} s simulated in {s['sim_wall_s']:.2f} s")
     lat = Table(title=title, title_justify="left")
     lat.add_column("latency (ms)")
-    for col in ("mean", "p50", "p90", "p99"):
+    cols = list(s["ttft_ms"])
+    for col in cols:
         lat.add_column(col, justify="right")
     for name in ("ttft", "tpot", "itl", "e2e"):
         row = s[f"{name}_ms"]
-        lat.add_row(name.upper(), *(f"{row[c]:.1f}" for c in ("mean", "p50", "p90", "p99")))
+        lat.add_row(name.upper(), *(f"{row[c]:.1f}" for c in cols))
     console.print(lat)
     tput = Table(show_header=False)
     tput.add_column(justify="left")
@@ -362,11 +794,12 @@ def print_summary(s: dict, console: Console) -> None:
     tput.add_row("request throughput", f"{s['request_throughput']:.2f} req/s")
     tput.add_row("output token throughput", f"{s['output_throughput']:.0f} tok/s")
     tput.add_row("total token throughput", f"{s['total_token_throughput']:.0f} tok/s")
-    tput.add_row(f"SLO attainment (TTFT {ttft_slo}, TPOT {slo['tpot_ms']:g} ms)",
-                 f"{100 * s['slo_attainment']:.1f} %")
+    tput.add_row(f"SLO attainment ({slo_text})", f"{100 * s['slo_attainment']:.1f} %")
     tput.add_row("goodput", f"{s['goodput']:.2f} req/s")
     if s.get("rejected"):
         tput.add_row("[yellow]rejected (never served)[/yellow]", f"{s['rejected']:,}: {s['rejected_example']}")
+    if s.get("skipped_oversized"):
+        tput.add_row("[yellow]left out (--skip-oversized)[/yellow]", f"{s['skipped_oversized']:,}")
     tput.add_row("preemptions", str(s["preemptions"]))
     if "latency_model" in s:
         tput.add_row("latency model", s["latency_model"])

@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import csv
+import heapq
 import json
+import math
 import os
-import tempfile
-from collections.abc import Sequence
+import secrets
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, pairwise
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from .batch import StepResult
 from .config import SloConfig
 from .request import Request
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES: tuple[float, ...] = (50, 90, 99)  # the summary's default (``--metric-percentiles``)
 
 
 def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.ndarray]:
@@ -57,7 +59,9 @@ def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.nda
 
 
 def inter_token_latencies(reqs: Sequence[Request]) -> np.ndarray:
-    """All gaps between consecutive output tokens of each request, pooled."""
+    """All gaps between consecutive output tokens of each request, pooled (requests without tokens, such as
+    rejected ones, add none)."""
+    reqs = [r for r in reqs if r.token_times]
     lens = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
     times = np.fromiter(chain.from_iterable(r.token_times for r in reqs), float, int(lens.sum()))
     gaps = np.diff(times)
@@ -66,18 +70,23 @@ def inter_token_latencies(reqs: Sequence[Request]) -> np.ndarray:
     return gaps[keep]
 
 
-def _stats(x: np.ndarray) -> dict[str, float]:
+def percentile_key(p: float) -> str:
+    """The summary's key of a percentile: 99 -> 'p99', 99.9 -> 'p99.9'."""
+    return f"p{p:g}"
+
+
+def _stats(x: np.ndarray, percentiles: Sequence[float] = PERCENTILES) -> dict[str, float]:
     x = x[~np.isnan(x)]
     if not x.size:
-        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
-    ps = np.percentile(x, PERCENTILES)
-    return {"mean": float(x.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, ps)}}
+        return {"mean": float("nan"), **{percentile_key(p): float("nan") for p in percentiles}}
+    ps = np.percentile(x, percentiles)
+    return {"mean": float(x.mean()), **{percentile_key(p): float(v) for p, v in zip(percentiles, ps)}}
 
 
 def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, float] | None = None,
-              cols: dict[str, np.ndarray] | None = None) -> dict:
-    """The run's summary; latencies in milliseconds, throughputs per second of the run (first arrival to
-    last completion), busy time per lane in seconds and as a fraction of the run."""
+              cols: dict[str, np.ndarray] | None = None, percentiles: Sequence[float] = PERCENTILES) -> dict:
+    """The run's summary; latencies in milliseconds (mean and ``percentiles``), throughputs per second of the
+    run (first arrival to last completion), busy time per lane in seconds and as a fraction of the run."""
     cols = cols if cols is not None else request_columns(reqs, slo)
     n = len(cols["id"])
     rejected = [r for r in reqs if r.error is not None]
@@ -108,8 +117,8 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
         "cached_prompt_tokens": int(cols["cached_tokens"].sum()),
     }
     for name in ("ttft", "tpot", "e2e"):
-        summary[f"{name}_ms"] = {k: v * 1e3 for k, v in _stats(cols[name]).items()}
-    summary["itl_ms"] = {k: v * 1e3 for k, v in _stats(inter_token_latencies(reqs)).items()}
+        summary[f"{name}_ms"] = {k: v * 1e3 for k, v in _stats(cols[name], percentiles).items()}
+    summary["itl_ms"] = {k: v * 1e3 for k, v in _stats(inter_token_latencies(reqs), percentiles).items()}
     if lane_busy is not None:
         summary["lane_busy_s"] = dict(lane_busy)
         summary["lane_busy_frac"] = {k: v / duration for k, v in lane_busy.items()}
@@ -117,36 +126,65 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
 
 
 class Timeline:
-    """Every launch as it came back: lane, SMs, layers, tokens and sequences per step, step end times, and
-    the prompt tokens its newly admitted requests found in the prefix cache. ``on_step`` plugs into
-    ``serve(on_step=...)``."""
+    """Every launch as it came back: lane, SMs, layers, tokens and sequences per step, step end times, the
+    prompt tokens its newly admitted requests found in the prefix cache, and -- when a ``probe`` is given --
+    the server's state when the launch ended (before its results were applied): requests waiting, requests
+    running, KV blocks held. ``on_step`` plugs into ``serve(on_step=...)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Callable[[], tuple[int, int, int]] | None = None, kv_blocks: int | None = None) -> None:
         self.rows: list[tuple] = []
         self.busy: dict[str, float] = {}
+        self.probe = probe
+        self.kv_blocks = kv_blocks  # the pool's size, for the KV-used percentage
 
     def on_step(self, res: StepResult) -> None:
         b = res.batch
         lane = b.partition.lane
         self.busy[lane] = self.busy.get(lane, 0.0) + (res.end - res.start)
+        state = self.probe() if self.probe is not None else (None, None, None)
         self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop, b.num_tokens,
-                          len(b.chunks), res.start, res.step_ends, b.cached_tokens))
+                          len(b.chunks), res.start, res.step_ends, b.cached_tokens, *state))
+
+    HEADER = ("lane", "state", "sms", "layer_start", "layer_stop", "tokens", "seqs", "cached_tokens", "start_s",
+              "end_s", "waiting_reqs", "running_reqs", "kv_used_blocks", "kv_used_pct")
+
+    def csv_rows(self) -> Iterator[tuple]:
+        """One row per step (a fused launch of k steps gives k rows, with the state sampled at its end) and
+        one ``idle`` row per gap between a lane's launches (and before its first), ordered by start time."""
+        return heapq.merge(*(self._lane_rows(lane) for lane in sorted(self.busy)), key=lambda row: row[8])
+
+    def _lane_rows(self, lane: str) -> Iterator[tuple]:
+        free_since = 0.0
+        pct = (lambda used: f"{100 * used / self.kv_blocks:.2f}") if self.kv_blocks else (lambda used: "")
+        for row in self.rows:
+            if row[0] != lane:
+                continue
+            _, sms, l0, l1, tokens, seqs, start, ends, cached, waiting, running, kv = row
+            if start > free_since:
+                yield (lane, "idle", 0, "", "", 0, 0, 0, free_since, start, "", "", "", "")
+            state = ("" if waiting is None else waiting, "" if running is None else running,
+                     "" if kv is None else kv, "" if kv is None else pct(kv))
+            yield (lane, "run", sms, l0, l1, tokens, seqs, cached, start, ends[0], *state)
+            # a fused launch's later steps decode one token of every sequence
+            for s, e in pairwise(ends):
+                yield (lane, "run", sms, l0, l1, seqs, seqs, 0, s, e, *state)
+            free_since = ends[-1]
 
     def write_csv(self, path: Path) -> None:
-        """One row per step (a fused launch of k steps gives k rows)."""
-        header = ["lane", "sms", "layer_start", "layer_stop", "tokens", "seqs", "start", "end", "cached_tokens"]
+        """``timeline.csv``: :meth:`csv_rows` with times in seconds."""
         with atomic_write(path) as f:
             w = csv.writer(f)
-            w.writerow(header)
-            for lane, sms, l0, l1, tokens, seqs, start, ends, cached in self.rows:
-                w.writerow((lane, sms, l0, l1, tokens, seqs, f"{start:.6f}", f"{ends[0]:.6f}", cached))
-                # a fused launch's later steps decode one token of every sequence
-                w.writerows((lane, sms, l0, l1, seqs, seqs, f"{s:.6f}", f"{e:.6f}", 0)
-                            for s, e in pairwise(ends))
+            w.writerow(self.HEADER)
+            w.writerows((*row[:8], f"{row[8]:.6f}", f"{row[9]:.6f}", *row[10:]) for row in self.csv_rows())
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 class atomic_write:
-    """Write a text file through a temporary file in the same folder, renamed into place on success."""
+    """Write a text file through a temporary file in the same folder, renamed into place on success. The file
+    gets the permissions of any file the user creates (0666 less the umask), not mkstemp's 0600."""
 
     def __init__(self, path: Path | str, mode: str = "w") -> None:
         self.path = Path(path)
@@ -154,38 +192,84 @@ class atomic_write:
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        self.tmp = _temp_name(self.path)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         self.file = os.fdopen(fd, self.mode, newline="" if "b" not in self.mode else None)
         return self.file
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.file.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            os.unlink(self.tmp)
+        try:
+            self.file.close()
+        finally:
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+            else:
+                os.unlink(self.tmp)
+
+
+def write_via_temp(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` a file that a library writes by name (Parquet, PNG), then rename it to ``path``; the
+    temporary file is removed if writing fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# Exported per-request columns: (name in request_columns, name in the file, factor): times since the first
+# arrival in seconds, latencies in milliseconds, lengths in tokens.
+EXPORT_COLUMNS: tuple[tuple[str, str, float], ...] = (
+    ("id", "id", 1), ("arrival", "arrival_s", 1), ("prompt_tokens", "prompt_tokens", 1),
+    ("output_tokens", "output_tokens", 1), ("cached_tokens", "cached_tokens", 1),
+    ("first_token", "first_token_s", 1), ("finish", "finish_s", 1), ("ttft", "ttft_ms", 1e3),
+    ("tpot", "tpot_ms", 1e3), ("e2e", "e2e_ms", 1e3), ("ttft_target", "ttft_slo_ms", 1e3),
+    ("attained", "attained", 1), ("preemptions", "preemptions", 1),
+)
+
+
+def export_columns(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The per-request table as written: units in the column names (see ``EXPORT_COLUMNS``)."""
+    return {out: (cols[name] * factor if factor != 1 else cols[name]) for name, out, factor in EXPORT_COLUMNS}
 
 
 def write_requests(cols: dict[str, np.ndarray], path: Path) -> None:
-    """Per-request table as CSV, or Parquet when ``path`` ends in .parquet (needs pandas + pyarrow)."""
+    """Per-request table (:func:`export_columns`) as CSV, or Parquet when ``path`` ends in .parquet (needs
+    pandas + pyarrow)."""
     path = Path(path)
+    table = export_columns(cols)
     if path.suffix == ".parquet":
         import pandas as pd
 
-        tmp = path.with_name(f".{path.name}.tmp")
-        pd.DataFrame(cols).to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+        write_via_temp(path, lambda tmp: pd.DataFrame(table).to_parquet(tmp, index=False))
         return
-    names = list(cols)
+    names = list(table)
     with atomic_write(path) as f:
         w = csv.writer(f)
         w.writerow(names)
-        fmt = [(lambda v: f"{v:.6f}") if cols[k].dtype.kind == "f" else str for k in names]
-        for row in zip(*(cols[k] for k in names)):
+        fmt = [(lambda v: f"{v:.6f}") if table[k].dtype.kind == "f" else str for k in names]
+        for row in zip(*(table[k] for k in names)):
             w.writerow([f(v) for f, v in zip(fmt, row)])
+
+
+def json_safe(obj):
+    """``obj`` with every NaN or infinite float replaced by None: JSON has no such numbers (``json.dump``
+    would write ``NaN``, which JSON readers refuse)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return json_safe(obj.item())
+    return obj
 
 
 def write_json(obj: dict, path: Path) -> None:
     with atomic_write(path) as f:
-        json.dump(obj, f, indent=2)
+        json.dump(json_safe(obj), f, indent=2, allow_nan=False)
         f.write("\n")

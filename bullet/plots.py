@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from .metrics import Timeline
+from .metrics import Timeline, write_via_temp
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    write_via_temp(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+
+
+def _segments(starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x, y of one horizontal segment per launch, NaN-separated: a gap between launches is drawn as nothing."""
+    x = np.column_stack([starts, ends, np.full(starts.size, np.nan)]).ravel()
+    y = np.column_stack([values, values, np.full(starts.size, np.nan)]).ravel()
+    return x, y
 
 
 def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out: Path) -> list[Path]:
-    """Write ``latency.png`` (CDFs of TTFT, TPOT and E2E with the SLOs) and ``timeline.png`` (tokens per
-    step and running sequences per lane over time) into ``out``; returns the paths."""
+    """Write ``latency.png`` (CDFs of TTFT, TPOT and E2E with the SLOs) and ``timeline.png`` (per lane, each
+    launch's tokens over its span, idle gaps left empty; requests waiting and running; KV cache used) into
+    ``out``; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,21 +55,34 @@ def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out
     plt.close(fig)
 
     lanes = sorted({row[0] for row in timeline.rows})
-    fig, axes = plt.subplots(2, 1, figsize=(13, 5.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True)
+    busy = summary.get("lane_busy_frac", {})
     for lane in lanes:
         rows = [r for r in timeline.rows if r[0] == lane]
         starts = np.fromiter((r[6] for r in rows), float, len(rows))
+        ends = np.fromiter((r[7][-1] for r in rows), float, len(rows))
         tokens = np.fromiter((r[4] for r in rows), float, len(rows))
-        seqs = np.fromiter((r[5] for r in rows), float, len(rows))
-        sms = rows[0][1]
-        axes[0].step(starts, tokens, where="post", label=f"{lane} ({sms} SMs)", linewidth=0.8)
-        axes[1].step(starts, seqs, where="post", label=lane, linewidth=0.8)
-    axes[0].set_ylabel("tokens in the launch's first step")
+        sms = sorted({r[1] for r in rows})
+        sm_text = f"{sms[0]} SMs" if len(sms) == 1 else f"{sms[0]}-{sms[-1]} SMs"
+        label = f"{lane} ({sm_text}, busy {100 * busy.get(lane, float('nan')):.0f} %)"
+        axes[0].plot(*_segments(starts, ends, tokens), label=label, linewidth=1.2)
+    axes[0].set_ylabel("tokens in the launch's\nfirst step (gaps: idle)")
     axes[0].set_yscale("log")
-    axes[1].set_ylabel("sequences in the launch")
-    axes[1].set_xlabel("time (s)")
+    probed = [r for r in timeline.rows if r[9] is not None]
+    if probed:
+        probed.sort(key=lambda r: r[7][-1])
+        t = np.fromiter((r[7][-1] for r in probed), float, len(probed))
+        for index, name in ((9, "waiting"), (10, "running")):
+            axes[1].step(t, [r[index] for r in probed], where="post", label=name, linewidth=0.8)
+        kv = np.fromiter((r[11] for r in probed), float, len(probed))
+        axes[2].step(t, 100 * kv / (timeline.kv_blocks or 1), where="post", linewidth=0.8, color="tab:purple")
+    axes[1].set_ylabel("requests\n(at launch ends)")
+    axes[2].set_ylabel("KV cache used (%)")
+    axes[2].set_ylim(0, 105)
+    axes[2].set_xlabel("time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
+    for ax in axes[:2]:
         ax.legend(loc="upper right")
     fig.suptitle(title)
     fig.tight_layout()

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bullet import __version__
+from bullet.batch import Batch, Lane, StepResult
 from bullet.config import CacheConfig, ConfigError, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from bullet.engine import serve
 from bullet.kvcache import BlockManager
-from bullet.metrics import Timeline, request_columns, summarize
+from bullet.metrics import PERCENTILES, Timeline, request_columns, summarize
 from bullet.perfmodel import LatencyModel
 from bullet.perfmodel.base import CachedLatency
-from bullet.policies import make_scheduler
+from bullet.policies import Scheduler, make_scheduler
+from bullet.policies.base import SchedulingError
 from bullet.request import Request
 
 from .executor import SimExecutor
@@ -75,32 +79,114 @@ def default_latency_model(model: ModelSpec, gpu: GpuSpec) -> LatencyModel:
     return latency_model("auto", model, gpu)
 
 
+def fresh_copies(requests: Sequence[Request]) -> list[Request]:
+    """New requests with what a trace says of each one (id, arrival, lengths, prompt content, sampling) and no
+    progress: what ``simulate`` runs, so that its inputs stay untouched and one list can be simulated again
+    and again. About 0.5 us a request (the simulation costs about 150 us a request)."""
+    return [Request(r.id, r.arrival, r.prompt_len, r.max_new_tokens, r.prompt_ids, r.hash_ids, r.hash_block,
+                    r.sampling) for r in requests]
+
+
+class ClientGate:
+    """``vllm bench serve --max-concurrency N`` in front of a scheduler: the client keeps at most ``N`` requests
+    in the server; one arriving while ``N`` are in flight waits at the client (in arrival order) and is sent when
+    one finishes or is rejected. As in ``vllm bench serve``, a request's latencies count from when it is sent:
+    its ``arrival`` becomes the send time. Stands in for the scheduler in ``serve()``: ``add``, ``schedule`` and
+    ``on_result`` pass through it; every other attribute is the scheduler's."""
+
+    def __init__(self, inner: Scheduler, limit: int) -> None:
+        if limit < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {limit}")
+        self.inner, self.limit = inner, limit
+        self.lanes = inner.lanes
+        self.held: deque[Request] = deque()  # arrived, not yet sent
+        self.inside = 0  # sent, neither finished nor rejected
+
+    def __getattr__(self, name: str):  # everything else the engine reads is the scheduler's
+        return getattr(self.inner, name)
+
+    def add(self, req: Request) -> None:
+        if self.inside >= self.limit:
+            self.held.append(req)
+        else:
+            self._send(req)
+
+    def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
+        before = len(self.inner.rejected)
+        batch = self.inner.schedule(lane, now, horizon)
+        if len(self.inner.rejected) > before:  # admission control turned some away: their seats are free
+            self.inside -= len(self.inner.rejected) - before
+            self._release(now)
+        return batch
+
+    def on_result(self, res: StepResult) -> list[Request]:
+        done = self.inner.on_result(res)
+        if done:
+            self.inside -= len(done)
+            self._release(res.end)
+        return done
+
+    def _send(self, req: Request) -> None:
+        before = len(self.inner.rejected)
+        self.inner.add(req)  # a SchedulingError propagates: serve() rejects the request, no seat taken
+        self.inside += 1 - (len(self.inner.rejected) - before)
+
+    def _release(self, now: float) -> None:
+        while self.held and self.inside < self.limit:
+            req = self.held.popleft()
+            req.arrival = now
+            try:
+                self._send(req)
+            except SchedulingError as e:  # serve() collects it with the admission-control rejections
+                req.error, req.finish_time = str(e), now
+                self.inner.rejected.append(req)
+
+
 def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched: SchedulerConfig,
              cache: CacheConfig | None = None, slo: SloConfig | None = None,
              latency: LatencyModel | None = None,
-             on_finish: Callable[[Request], None] | None = None) -> SimulationResult:
+             on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
+             percentiles: Sequence[float] = PERCENTILES) -> SimulationResult:
+    """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
+    (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
+    returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
+    that many requests in the server at once (:class:`ClientGate`). ``percentiles``: those the summary
+    reports besides the mean. The summary records the configuration (scheduler, cache, SLOs, model, GPU,
+    latency model, bullet version)."""
     t0 = time.perf_counter()
+    requests = fresh_copies(requests)
     cache, slo = cache or CacheConfig(), slo or SloConfig()
     base = latency or default_latency_model(model, gpu)
     latency = CachedLatency(base)
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency, slo=slo)
-    timeline = Timeline()
+    timeline = Timeline(lambda: (len(scheduler.waiting), len(scheduler.running), kv.num_blocks - kv.num_free),
+                        kv.num_blocks)
+    front = scheduler if max_concurrency is None else ClientGate(scheduler, max_concurrency)
     gc_was_on = gc.isenabled()
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing
     try:
-        done = serve(requests, scheduler, SimExecutor(latency, model.num_layers, gpu), on_step=timeline.on_step,
+        done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu), on_step=timeline.on_step,
                      on_finish=on_finish)
     finally:
         if gc_was_on:
             gc.enable()
     cols = request_columns(done, slo)
-    summary = summarize(done, slo, timeline.busy, cols)
-    summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, latency_model=latency_name(base), kv_blocks=kv.num_blocks,
-                   block_size=kv.block_size, launches=len(timeline.rows), prefix_caching=kv.prefix_caching,
-                   prefix_cache_hit_tokens=scheduler.hit_tokens, prefix_cache_query_tokens=scheduler.query_tokens,
+    summary = summarize(done, slo, timeline.busy, cols, percentiles)
+    summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, latency_model=latency_name(base),
+                   kv_blocks=kv.num_blocks, block_size=kv.block_size, launches=len(timeline.rows),
+                   prefix_caching=kv.prefix_caching, prefix_cache_hit_tokens=scheduler.hit_tokens,
+                   prefix_cache_query_tokens=scheduler.query_tokens,
                    prefix_cache_hit_rate=(scheduler.hit_tokens / scheduler.query_tokens
                                           if scheduler.query_tokens else 0.0))
+    summary["config"] = {"scheduler": _plain(asdict(sched)), "cache": asdict(cache), "tp": model.tp,
+                         "max_concurrency": max_concurrency, "percentiles": list(percentiles),
+                         "bullet_version": __version__}
     wall = time.perf_counter() - t0
     summary["sim_wall_s"] = wall
     return SimulationResult(done, cols, summary, timeline, wall)
+
+
+def _plain(d: dict) -> dict:
+    """Tuples as lists: the summary goes to JSON."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

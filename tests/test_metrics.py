@@ -1,10 +1,23 @@
 """Metrics against hand-computed examples (vllm bench serve definitions)."""
 
+import json
+import os
+import stat
+
 import numpy as np
 import pytest
 
 from bullet.config import SloConfig
-from bullet.metrics import inter_token_latencies, request_columns, summarize
+from bullet.metrics import (
+    Timeline,
+    atomic_write,
+    export_columns,
+    inter_token_latencies,
+    json_safe,
+    request_columns,
+    summarize,
+    write_json,
+)
 from bullet.request import Request
 
 
@@ -56,3 +69,82 @@ def test_no_slo_means_everyone_attains():
     a = finished(0, 0.0, 100, [5.0, 9.0])
     cols = request_columns([a], SloConfig(ttft=None, tpot=None))
     assert cols["attained"].all()
+
+
+def test_percentiles_chosen():
+    a = finished(0, 0.0, 100, [0.5, 0.6, 0.8, 1.1])
+    b = finished(1, 1.0, 100, [1.2, 1.3])
+    s = summarize([a, b], SloConfig(), percentiles=(25, 99.9))
+    assert set(s["ttft_ms"]) == {"mean", "p25", "p99.9"}
+    assert s["ttft_ms"]["p25"] == pytest.approx(np.percentile([500, 200], 25))
+
+
+def test_rejected_requests_add_no_gaps():
+    """A rejected request has no tokens; the gaps of the others are unchanged wherever it sits."""
+    a = finished(0, 0.0, 100, [0.5, 0.6, 0.8])
+    rejected = Request(1, 0.0, 100, 3)
+    rejected.error = "too long"
+    np.testing.assert_allclose(np.sort(inter_token_latencies([rejected, a])), [0.1, 0.2])
+    np.testing.assert_allclose(np.sort(inter_token_latencies([a, rejected])), [0.1, 0.2])
+
+
+def test_exported_columns_name_their_units():
+    a = finished(0, 1.0, 100, [1.5, 1.6, 1.8])
+    cols = request_columns([a], SloConfig(ttft=0.6, tpot=0.15))
+    out = export_columns(cols)
+    assert out["ttft_ms"][0] == pytest.approx(500) and out["e2e_ms"][0] == pytest.approx(800)
+    assert out["tpot_ms"][0] == pytest.approx(150) and out["ttft_slo_ms"][0] == pytest.approx(600)
+    assert out["arrival_s"][0] == 1.0 and out["finish_s"][0] == pytest.approx(1.8)
+    assert all(name.endswith(("_s", "_ms", "_tokens")) or name in ("id", "attained", "preemptions")
+               for name in out)
+
+
+def test_json_safe_turns_nan_and_inf_into_null(tmp_path):
+    obj = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": np.float64("-inf"), "e": 2}}
+    assert json_safe(obj) == {"a": None, "b": [1.0, None], "c": {"d": None, "e": 2}}
+    write_json(obj, tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == json_safe(obj)
+
+
+def test_written_files_get_the_umask_permissions(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_json({"x": 1}, tmp_path / "a.json")
+        with atomic_write(tmp_path / "b.csv") as f:
+            f.write("x\n")
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.csv"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.csv"]
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    (tmp_path / "keep.csv").write_text("old\n")
+    with pytest.raises(RuntimeError), atomic_write(tmp_path / "keep.csv") as f:
+        f.write("half")
+        raise RuntimeError("disk full")
+    assert (tmp_path / "keep.csv").read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.csv"]
+
+
+def test_timeline_rows_with_idle_gaps():
+    """Two lanes: prefill at [1, 2] and [4, 5]; decode a fused 3-step launch at [0, 3] (steps end 1, 2, 3).
+    Rows come in start order, the gaps (prefill 0-1 and 2-4) as idle, each step of the fused launch alone."""
+    from bullet.batch import Batch, Chunk, Partition, StepResult
+
+    t = Timeline(lambda: (2, 1, 10), kv_blocks=40)
+    pre = Batch(Partition("prefill", 92), range(32), (Chunk(0, 0, 50, [], True),))
+    dec = Batch(Partition("decode", 40), range(32), (Chunk(1, 10, 1, [], True), Chunk(2, 7, 1, [], True)),
+                steps=3)
+    t.on_step(StepResult(pre, 1.0, 2.0, (2.0,), None))
+    t.on_step(StepResult(dec, 0.0, 3.0, np.array([1.0, 2.0, 3.0]), None))
+    t.on_step(StepResult(pre, 4.0, 5.0, (5.0,), None))
+    got = [(r[0], r[1], r[5], float(r[8]), float(r[9])) for r in t.csv_rows()]
+    assert got == [("decode", "run", 2, 0.0, 1.0), ("prefill", "idle", 0, 0.0, 1.0),
+                   ("decode", "run", 2, 1.0, 2.0), ("prefill", "run", 50, 1.0, 2.0),
+                   ("decode", "run", 2, 2.0, 3.0), ("prefill", "idle", 0, 2.0, 4.0),
+                   ("prefill", "run", 50, 4.0, 5.0)]
+    run_row = next(r for r in t.csv_rows() if r[1] == "run")
+    assert run_row[10:] == (2, 1, 10, "25.00")
+    assert t.busy == {"prefill": 2.0, "decode": 3.0}
