@@ -29,7 +29,7 @@ from bullet.gpu.model import Model
 from bullet.gpu.sampling import sample
 from bullet.gpu.weights import load_weights
 
-COPY_CEILING = 4.3e12  # BACKGROUND.md
+COPY_CEILING = 4.3e12  # docs/background.md
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ Measured 2026-11-30 on one H200 (driver 580.159.04, torch 2.11.0+cu130, cuda.bin
 
 Best 1.11x (80/52, 88/44): under the 1.2x target. Co-running slows both sides by 1.2-1.4x; without that
 80/52 would give (215.9 + 291.8 / 19.58 * 13.35) / 291.8 = 1.42x. Whole prefill launches
-(`--layers-per-step 32 --decode-steps 8`) gave the same (best 1.105x), and 128 x 1024 decode (BACKGROUND.md's
+(`--layers-per-step 32 --decode-steps 8`) gave the same (best 1.105x), and 128 x 1024 decode (docs/background.md's
 shape) 1.054x. Why: the power cap. An nvidia-smi log (clocks.sm, power.draw, clocks_event_reasons every 50
 ms; `--pairs 80,96 --reps 6`, ratio 1.115 / 1.100) shows the whole-GPU prefill already at the 700 W limit (SM
 clock median 1582 MHz, reason 0x4 = software power cap); alone on 80 SMs the prefill runs at 1920 MHz and the

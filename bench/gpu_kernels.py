@@ -35,7 +35,7 @@ from bullet.gpu.model import Model
 from bullet.gpu.sampling import sample
 from bullet.gpu.weights import load_weights
 
-COPY_CEILING = 4.3e12  # bytes/s, device copy (reads + writes), measured on the H200 (BACKGROUND.md)
+COPY_CEILING = 4.3e12  # bytes/s, device copy (reads + writes), measured on the H200 (docs/background.md)
 MATMUL_CEILING = 791e12  # bf16 8192^3, measured
 
 

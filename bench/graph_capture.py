@@ -2,7 +2,7 @@
 (every batch-size bucket, greedy sampling), and one replay of the largest bucket on each size.
 
 A graph keeps the partition it was captured on, so each decode size a policy uses needs its own graphs
-(BACKGROUND.md). Run on a GPU: `python3 bench/graph_capture.py [--sizes 8,40,72,112,132] [--model llama-3.1-8b]`.
+(docs/background.md). Run on a GPU: `python3 bench/graph_capture.py [--sizes 8,40,72,112,132] [--model llama-3.1-8b]`.
 Prints a table: decode SMs, graphs, capture seconds, MiB of device memory, ms per replayed 128-row step.
 """
 

@@ -16,7 +16,7 @@ H200 = GPUS["h200"]
 
 
 def test_nested_sizes_h200_by_hand():
-    pre, dec = nested_sizes(132, 8, 12)  # 15 groups of 8 plus 12 (measured split, BACKGROUND.md)
+    pre, dec = nested_sizes(132, 8, 12)  # 15 groups of 8 plus 12 (measured split, docs/background.md)
     assert pre == (20, 28, 36, 44, 52, 60, 68, 76, 84, 92, 100, 108, 116, 124, 132)
     assert dec == (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 132)
     assert (H200.prefill_sizes, H200.decode_sizes) == (pre, dec)

@@ -1,6 +1,8 @@
 """Generate the bundled traces in ``traces/`` from distributions fitted to the public traces.
 
-    python tools/make_traces.py [--raw-dir ../shared/traces/raw] [--out-dir traces] [--num-requests 3000]
+    python tools/make_traces.py --raw-dir DIR [--out-dir traces] [--num-requests 3000]
+
+DIR holds the public trace files (names, repositories and licences in traces/README.md, "Public sources").
 
 No row of a public file is copied. For each public file we keep only a summary -- quantiles of the output
 lengths, and quantiles of the prompt lengths within each of 20 equal-count bins of output length -- and draw
@@ -151,8 +153,8 @@ def _row(name: str, s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--raw-dir", type=Path, default=ROOT.parent / "shared" / "traces" / "raw",
-                        help="folder with the public trace files (default: ../shared/traces/raw)")
+    parser.add_argument("--raw-dir", type=Path, required=True,
+                        help="folder with the public trace files (see traces/README.md, 'Public sources')")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "traces", help="where to write (default: traces/)")
     parser.add_argument("--num-requests", type=int, default=3000, help="requests per trace (default: 3000)")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Decode CUDA graphs per (partition, batch-size bucket, sampling mode).
 
-A graph keeps the SM partition of the stream it was captured on (BACKGROUND.md): captured on a 32-SM green
+A graph keeps the SM partition of the stream it was captured on (docs/background.md): captured on a 32-SM green
 stream it replays at 32-SM speed on any stream. So each graph is captured ON the partition it will run on and
 is keyed by that partition (``Side.key``: the green context, not just its SM count, since two contexts with
 the same count from different splits are different SMs); the replay stream only orders work.

@@ -10,7 +10,7 @@ each lane may change its size at each of its own launches (:func:`bullet.config.
 :func:`bullet.config.check_corun`). The whole GPU is an ordinary stream (lane "all"), and two more ordinary
 whole-GPU streams serve naive concurrency (both lanes asking for every SM).
 
-Kernels launched from the primary context onto such a stream run on that partition (BACKGROUND.md), and a
+Kernels launched from the primary context onto such a stream run on that partition (docs/background.md), and a
 CUDA graph captured on it keeps that partition when replayed anywhere. Partitions are never made per step:
 contexts cost device memory (about 170 MiB for the whole nested menu on an H200) and the driver has been seen
 to fail after ~30 contexts were created and leaked.
