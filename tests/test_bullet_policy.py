@@ -236,3 +236,11 @@ def test_shortest_first_only_where_it_breaks_no_deadline():
     # request 0 (3000 tokens) is due at 1.033 s: first, it ends at 31.8 ms; behind request 1 at 33.9 ms, too late
     assert 3000 * per_token < 0.033 < 3200 * per_token
     assert order([Request(0, 0.993, 3000, 2), Request(1, 1.0, 200, 2)], 0.04) == [0, 1]
+
+
+def test_abort_of_a_queued_request_forgets_its_deadline():
+    sched, _ = make(SloConfig(ttft=0.5, tpot=0.1))
+    sched.add(Request(0, 0.0, 100, 5))
+    sched.add(Request(1, 0.0, 100, 5))
+    assert sched.abort(1, 0.01).id == 1
+    assert 1 not in sched.deadline and 1 not in sched.target and [r.id for r in sched.waiting] == [0]

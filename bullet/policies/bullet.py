@@ -260,7 +260,8 @@ class Bullet(Scheduler):
 
     def _decode_knee(self, work: Work, co: Work | None) -> int:
         """The decode size past which more SMs barely speed ``work`` up (within KNEE of the largest size's
-        step): memory-bound decode saturates HBM well before it has every SM (BACKGROUND.md)."""
+        step): memory-bound decode saturates HBM well before it has every SM (docs/background.md: 64 of 132
+        SMs pull 85 % of the whole GPU's bandwidth on the H200)."""
         predict, N, sizes = self.latency.predict, self.N, self.dec_sizes
         if not work.seqs:
             return sizes[0]
@@ -370,6 +371,12 @@ class Bullet(Scheduler):
             self.busy.add(r.id)
             tokens += r.remaining
         return chunks, reqs
+
+    def abort(self, req_id: int, now: float) -> Request | None:
+        r = super().abort(req_id, now)
+        self.deadline.pop(req_id, None)  # (a running request's went with _finish; a queued one's goes here)
+        self.target.pop(req_id, None)
+        return r
 
     def _finish(self, r: Request, now: float) -> None:
         super()._finish(r, now)
