@@ -791,7 +791,7 @@ def resolve_trace(name_or_path: str | os.PathLike) -> Path:
         builtin = traces_dir() / BUILTIN_TRACES[name_or_path]
         if not builtin.is_file():
             raise TraceError(f"built-in trace {name_or_path!r} is missing: {builtin} (regenerate it with "
-                             "python tools/make_traces.py)")
+                             "python tools/make_traces.py --raw-dir DIR, DIR holding the public traces)")
         return builtin
     if path.exists():
         raise TraceError("not a regular file", path)
