@@ -22,8 +22,8 @@ def _segments(starts: np.ndarray, ends: np.ndarray, values: np.ndarray) -> tuple
 
 def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out: Path) -> list[Path]:
     """Write ``latency.png`` (CDFs of TTFT, TPOT and E2E with the SLOs) and ``timeline.png`` (per lane, each
-    launch's tokens over its span, idle gaps left empty; requests waiting and running; KV cache used) into
-    ``out``; returns the paths."""
+    launch's tokens over its span, idle gaps left empty; requests waiting and running; KV cache used; for
+    split lanes, each launch's SM count: the split over time) into ``out``; returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,7 +55,8 @@ def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out
     plt.close(fig)
 
     lanes = sorted({row[0] for row in timeline.rows})
-    fig, axes = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True)
+    split = lanes != ["all"]  # split lanes: a panel of each launch's SM count (the split over time)
+    fig, axes = plt.subplots(3 + split, 1, figsize=(13, 7.5 + 2.2 * split), sharex=True)
     busy = summary.get("lane_busy_frac", {})
     for lane in lanes:
         rows = [r for r in timeline.rows if r[0] == lane]
@@ -66,6 +67,9 @@ def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out
         sm_text = f"{sms[0]} SMs" if len(sms) == 1 else f"{sms[0]}-{sms[-1]} SMs"
         label = f"{lane} ({sm_text}, busy {100 * busy.get(lane, float('nan')):.0f} %)"
         axes[0].plot(*_segments(starts, ends, tokens), label=label, linewidth=1.2)
+        if split:
+            sm = np.fromiter((r[1] for r in rows), float, len(rows))
+            axes[3].plot(*_segments(starts, ends, sm), label=lane, linewidth=1.2)
     axes[0].set_ylabel("tokens in the launch's\nfirst step (gaps: idle)")
     axes[0].set_yscale("log")
     probed = [r for r in timeline.rows if r[9] is not None]
@@ -79,7 +83,11 @@ def plot_run(cols: dict[str, np.ndarray], timeline: Timeline, summary: dict, out
     axes[1].set_ylabel("requests\n(at launch ends)")
     axes[2].set_ylabel("KV cache used (%)")
     axes[2].set_ylim(0, 105)
-    axes[2].set_xlabel("time (s)")
+    axes[-1].set_xlabel("time (s)")
+    if split:
+        axes[3].set_ylabel("SMs of each launch")
+        axes[3].set_ylim(0, max(r[1] for r in timeline.rows) * 1.05)
+        axes[3].legend(loc="upper right")
     for ax in axes:
         ax.grid(alpha=0.3)
     for ax in axes[:2]:
