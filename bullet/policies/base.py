@@ -396,3 +396,22 @@ class Scheduler:
         self.kv.free(r.id)
         self.running.remove(r)
         del self.rank[r.id]
+
+
+class LayerSliced(Scheduler):
+    """A policy whose prefill lane runs one job (chunks, their requests, the next layer) a layer slice per
+    launch: the job advances as slices come back and ends with the slice that reaches the last layer."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None
+
+    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
+        chunks, reqs, _ = self.job
+        self.job = (chunks, reqs, batch.layers.stop)
+
+    def on_result(self, res: StepResult) -> list[Request]:
+        done = super().on_result(res)
+        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
+            self.job = None
+        return done

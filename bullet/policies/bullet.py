@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import step_times
 from ..request import Request
-from .base import Scheduler, SchedulingError
+from .base import LayerSliced, SchedulingError
 
 LATE_GRACE = 4.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
 EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token prefill time is this close to the best
@@ -51,7 +51,7 @@ class DecodeView(NamedTuple):
     budget: float  # the tightest per-step time that keeps every TPOT
 
 
-class Bullet(Scheduler):
+class Bullet(LayerSliced):
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
 
     def __init__(self, *args, **kwargs) -> None:
@@ -67,7 +67,6 @@ class Bullet(Scheduler):
         self.layers_step = cfg.layers_per_step or DEFAULT_LAYERS_PER_STEP
         self.deadline: dict[int, float] = {}
         self.target: dict[int, float] = {}
-        self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # chunks, reqs, next layer
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
         self.decode_until = 0.0  # predicted end of the decode launch in flight
         self._slice_work: Work | None = None  # the Work of the prefill slice in flight
@@ -169,16 +168,6 @@ class Bullet(Scheduler):
         rest = work_of(Batch(self.whole_gpu, range(first, L), chunks), L)
         predict, budget = self.latency.predict, (left - now) * (1 - self.cfg.slo_margin)
         return self._smallest(sizes, lambda p: predict(rest, p) <= budget)
-
-    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
-        chunks, reqs, _ = self.job
-        self.job = (chunks, reqs, batch.layers.stop)
-
-    def on_result(self, res):
-        done = super().on_result(res)
-        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
-            self.job = None
-        return done
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
         decoders = self._decoders()

@@ -7,16 +7,15 @@ from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
 from ..perfmodel import work_of
 from ..request import Request
-from .base import Scheduler
+from .base import LayerSliced
 
 
-class StaticSplit(Scheduler):
+class StaticSplit(LayerSliced):
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill is planned first: decode sizes to it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.prefill_part, self.decode_part = self._partitions()
-        self.job: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # chunks, reqs, next layer
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
 
     def _partitions(self) -> tuple[Partition, Partition]:
@@ -47,16 +46,6 @@ class StaticSplit(Scheduler):
         self.prefill_until = now + float(self.latency.predict(work, self.prefill_part.num_sms, co,
                                                               self.decode_part.num_sms))
         return self._launch("prefill", batch, reqs)
-
-    def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
-        chunks, reqs, _ = self.job
-        self.job = (chunks, reqs, batch.layers.stop)
-
-    def on_result(self, res):
-        done = super().on_result(res)
-        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
-            self.job = None
-        return done
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
         decoders = self._decoders()
