@@ -12,34 +12,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bullet.batch import StepResult
 from bullet.config import GPUS, MODELS, SchedulerConfig
 from bullet.engine import ABORTED, Engine, serve
 from bullet.kvcache import BlockManager
 from bullet.policies import make_scheduler
 from bullet.policies.base import SchedulingError
 from bullet.request import Request, SamplingParams
-from simulator import SimExecutor
 from tests.latency import LinearLatency
+from tests.test_scheduler import EchoExecutor
 
 MODEL = MODELS["llama-3.1-8b"]
 GPU = GPUS["h200"]
 POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
 SPLIT = {"static-split": {"layers_per_step": 8}, "bullet": {"layers_per_step": 8}}
-
-
-class EchoExecutor(SimExecutor):
-    """The simulator with token ids: the id sampled at position p is p (order and gaps are checkable)."""
-
-    def wait(self, until):
-        out = []
-        for res in super().wait(until):
-            toks = np.full((res.batch.steps, len(res.batch.chunks)), -1, np.int64)
-            for j, c in enumerate(res.batch.chunks):
-                if c.sample:
-                    toks[:, j] = c.start + c.num_tokens + np.arange(res.batch.steps)
-            out.append(StepResult(res.batch, res.start, res.end, res.step_ends, toks))
-        return out
 
 
 def setup(policy, num_blocks=4000, **cfg):

@@ -6,6 +6,7 @@ later) can be swapped without either noticing.
 
 from __future__ import annotations
 
+from math import sqrt
 from operator import add
 from typing import NamedTuple, Protocol
 
@@ -42,6 +43,35 @@ def work_of(batch: Batch, total_layers: int) -> Work:
     last = batch.layers.stop == total_layers
     return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0,
                 max_kv)
+
+
+def check_sms(num_sms, total: int):
+    """``(SM count as an int or an intp array, is_array)``, each in ``1..total`` (ValueError otherwise)."""
+    if isinstance(num_sms, (int, np.integer)) or np.ndim(num_sms) == 0:
+        n = int(num_sms)
+        if not 1 <= n <= total:
+            raise ValueError(f"num_sms must be in 1..{total}, got {num_sms!r}")
+        return n, False
+    n = np.asarray(num_sms, dtype=np.intp)
+    if n.size and (n.min() < 1 or n.max() > total):
+        raise ValueError(f"num_sms must be in 1..{total}, got {num_sms!r}")
+    return n, True
+
+
+def shared_sms(n: int, co_sms: int, work: Work, co: Work, total: int) -> tuple[int, int]:
+    """The SMs each of two overlapping launches gets (both lanes on the whole GPU: naive concurrency): the
+    SMs they have in common split in proportion to sqrt(tokens) of each launch, since the hardware hands free
+    SMs to whichever kernel has blocks waiting and a big prefill's GEMMs nearly always do. Fitted to one H200
+    measurement (bench/gpu_concurrency.py, naive row: an 8192-token prefill slowed 1.04x, a 64 x 4096 decode
+    step 5.9x); beyond it an assumption. Disjoint launches keep their own."""
+    if not 0 <= co_sms <= total:
+        raise ValueError(f"co_sms={co_sms!r} must be in 0..{total}")
+    overlap = n + int(co_sms) - total
+    if overlap <= 0:
+        return n, co_sms
+    mine = sqrt(work.tokens) / (sqrt(work.tokens) + sqrt(co.tokens))
+    take = min(overlap - 1, max(1, round(overlap * mine)))
+    return max(1, n - overlap + take), max(1, int(co_sms) - take)
 
 
 class LatencyModel(Protocol):

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, GpuSpec, ModelSpec
-from .base import Work
+from .base import Work, check_sms, shared_sms
 
 FORMAT = "bullet-fitted-latency"
 FORMAT_VERSION = 1
@@ -349,9 +349,9 @@ class FittedModel:
         ``co_sms`` other SMs (None / 0: alone)."""
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
-        n, arr = self._sms(num_sms)
+        n, arr = check_sms(num_sms, self.num_sms)
         if co is not None and not arr and co_sms:
-            n, co_sms = self._shared(n, int(co_sms), work, co)
+            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
         if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
             if arr:
                 t = self.f["decode_first"].array(self.q.decode(work, n), n)
@@ -372,13 +372,13 @@ class FittedModel:
     def decode_steps(self, work: Work, steps: int, num_sms, co: Work | None = None, co_sms=0) -> np.ndarray:
         """Seconds of each of ``steps`` fused decode steps: the first (``decode_first``), then the later ones
         (``decode_step``) with every sequence one token longer each step."""
-        n, arr = self._sms(num_sms)
+        n, arr = check_sms(num_sms, self.num_sms)
         if arr:
             raise ValueError("decode_steps takes one SM count")
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None and co_sms:
-            n, co_sms = self._shared(n, int(co_sms), work, co)
+            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
         out = np.empty(steps)
         if steps < 1:
             return out
@@ -447,24 +447,3 @@ class FittedModel:
         if arr:
             return fam.array(qv, np.zeros(np.shape(n), dtype=np.intp))
         return fam.scalar(qv, 0)
-
-    def _sms(self, num_sms):
-        if isinstance(num_sms, (int, np.integer)) or np.ndim(num_sms) == 0:
-            n = int(num_sms)
-            if not 1 <= n <= self.num_sms:
-                raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
-            return n, False
-        n = np.asarray(num_sms, dtype=np.intp)
-        if n.size and (n.min() < 1 or n.max() > self.num_sms):
-            raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
-        return n, True
-
-    def _shared(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
-        """Overlapping lanes (both on the whole GPU) split the SMs they share in proportion to sqrt(tokens)
-        of each launch (the roofline's assumption; the profile has no such points)."""
-        overlap = n + co_sms - self.num_sms
-        if overlap <= 0:
-            return n, co_sms
-        mine = math.sqrt(work.tokens) / (math.sqrt(work.tokens) + math.sqrt(co.tokens))
-        take = min(overlap - 1, max(1, round(overlap * mine)))
-        return max(1, n - overlap + take), max(1, co_sms - take)

@@ -40,13 +40,13 @@ operations element-wise), so both give identical numbers. Constants and calibrat
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from math import ceil, sqrt
+from math import ceil
 from numbers import Real
 
 import numpy as np
 
 from ..config import GpuSpec, ModelSpec
-from .base import Work
+from .base import Work, check_sms, shared_sms
 
 # Attention work unit: 128 query rows x 64 key columns of one head (a FlashAttention-style tile).
 ATTN_TILE_PAIRS = 128 * 64
@@ -235,11 +235,11 @@ class RooflineModel:
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
         """Seconds for ``work`` on ``num_sms`` SMs (int, or an array -> array) while ``co`` runs on
         ``co_sms`` other SMs (int, or an array matching ``num_sms``; None / 0: alone)."""
-        n, arr = self._sms(num_sms)
+        n, arr = check_sms(num_sms, self.num_sms)
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if not arr and co is not None:
-            n, co_sms = self._shared(n, co_sms, work, co)
+            n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
         cf, inv_bw = self._contention(n, arr, co, co_sms)
         rest = self._rest(work, n, arr, cf, inv_bw)
         att = self._attention(work.attn_pairs, work.kv_read, work.tokens, n, arr, cf, inv_bw)
@@ -251,13 +251,13 @@ class RooflineModel:
         """Seconds of each of ``steps`` fused decode steps: step i has ``attn_pairs + i * seqs`` pairs and
         reads ``kv_read + i * seqs`` KV tokens; the rest is the same every step. Equal to ``predict`` on
         each step's Work (same operations, element-wise over the steps)."""
-        n, arr = self._sms(num_sms)
+        n, arr = check_sms(num_sms, self.num_sms)
         if arr:
             raise ValueError("decode_steps takes one SM count")
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None:
-            n, co_sms = self._shared(n, co_sms, work, co)
+            n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
         grow = np.arange(steps, dtype=np.float64) * work.seqs
@@ -279,7 +279,7 @@ class RooflineModel:
         """Seconds for one bf16 ``(m x k) @ (k x n)`` GEMM on ``num_sms`` SMs (int or array), with the
         kernel overhead; the SM-scaling calibration points are such single GEMMs."""
         c = self.constants
-        sms, arr = self._sms(num_sms)
+        sms, arr = check_sms(num_sms, self.num_sms)
         cf, inv_bw = self._contention(sms, arr, co, co_sms)
         bm = c.tile_m_small if m <= c.tile_m_small else c.tile_m
         g = _Gemm(n, k, bm, c, self.model.dtype_bytes)
@@ -291,7 +291,7 @@ class RooflineModel:
 
     def breakdown(self, work: Work, num_sms: int) -> dict[str, float]:
         """Seconds per kernel kind over the whole launch, alone on ``num_sms`` SMs (for explaining)."""
-        n, _ = self._sms(num_sms)
+        n, _ = check_sms(num_sms, self.num_sms)
         inv_bw = self._inv_bw_list[n]
         t, L = work.tokens, work.num_layers
         sh = self._small if t <= self._small.bm else self._big
@@ -317,33 +317,6 @@ class RooflineModel:
         return work.num_layers * per_layer + once
 
     # ------------------------------------------------------------------ internals
-    def _sms(self, num_sms):
-        """(SM count as an int or an intp array, is_array), bounds-checked."""
-        if isinstance(num_sms, (int, np.integer)) or np.ndim(num_sms) == 0:
-            n = int(num_sms)
-            if not 1 <= n <= self.num_sms:
-                raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
-            return n, False
-        n = np.asarray(num_sms, dtype=np.intp)
-        if n.size and (n.min() < 1 or n.max() > self.num_sms):
-            raise ValueError(f"num_sms must be in 1..{self.num_sms}, got {num_sms!r}")
-        return n, True
-
-    def _shared(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
-        """Overlapping lanes (both on the whole GPU: naive concurrency) share the SMs they have in common
-        in proportion to sqrt(tokens) of each launch: the hardware hands free SMs to whichever kernel has
-        blocks waiting, and a big prefill's GEMMs nearly always do. Fitted to one H200 measurement
-        (bench/gpu_concurrency.py, naive row: an 8192-token prefill slowed 1.04x, a 64 x 4096 decode step
-        5.9x); beyond it an assumption. Each lane then contends for HBM as disjoint lanes do."""
-        if not 0 <= co_sms <= self.num_sms:
-            raise ValueError(f"co_sms={co_sms!r} must be in 0..{self.num_sms}")
-        overlap = n + int(co_sms) - self.num_sms
-        if overlap <= 0:
-            return n, co_sms
-        mine = sqrt(work.tokens) / (sqrt(work.tokens) + sqrt(co.tokens))
-        take = min(overlap - 1, max(1, round(overlap * mine)))
-        return max(1, n - overlap + take), max(1, int(co_sms) - take)
-
     def _contention(self, n, arr: bool, co: Work | None, co_sms):
         """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``."""
         scalar_co = isinstance(co_sms, (int, np.integer))
