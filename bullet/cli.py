@@ -24,7 +24,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
 from .cli_trace import ArrivalChoice as Arrival
-from .cli_trace import fail, trace_app
+from .cli_trace import fail, parse_sizes, trace_app
 from .config import (
     POLICIES,
     SLO_PRESETS,
@@ -503,12 +503,7 @@ def simulate(
         model_spec = resolve_model(model, tp)
         gpu_spec = resolve_gpu(gpu)
         check_policy_flags(policy.value, given, layers_per_step, model_spec)
-        sizes = None
-        if decode_sizes:
-            try:
-                sizes = tuple(int(x) for x in decode_sizes.split(","))
-            except ValueError:
-                raise ConfigError(f"--decode-sizes must be comma-separated integers, got {decode_sizes!r}") from None
+        sizes = parse_sizes(decode_sizes)
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                                 layers_per_step=layers_per_step, slo_margin=slo_margin,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_trace import fail
+from .cli_trace import fail, parse_sizes
 from .config import POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig
 
 Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
@@ -91,12 +91,7 @@ def run(
     except ImportError as e:
         raise fail(f"bullet run needs the server extra and torch ({e}): pip install -e '.[server,gpu]'") from None
     try:
-        sizes = None
-        if decode_sizes:
-            try:
-                sizes = tuple(int(x) for x in decode_sizes.split(","))
-            except ValueError:
-                raise ConfigError(f"--decode-sizes must be comma-separated integers, got {decode_sizes!r}") from None
+        sizes = parse_sizes(decode_sizes)
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                 prefill_sms=prefill_sms, layers_per_step=layers_per_step, slo_margin=slo_margin,
                                 admission_control=admission_control, decode_sizes=sizes,

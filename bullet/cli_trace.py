@@ -34,6 +34,18 @@ class ArrivalChoice(str, Enum):
     constant = "constant"
 
 
+def parse_sizes(text: str | None) -> tuple[int, ...] | None:
+    """``--decode-sizes``: comma-separated SM counts (None: not given). ConfigError on anything else."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        from .config import ConfigError
+
+        raise ConfigError(f"--decode-sizes must be comma-separated integers, got {text!r}") from None
+
+
 def fail(message: str) -> typer.Exit:
     """Print ``message`` as one red line on stderr (config field names shown as the flags that set them);
     ``raise fail(...)`` exits with code 2 and no traceback. Shared by every ``bullet`` command."""

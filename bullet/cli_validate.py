@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_trace import fail
+from .cli_trace import fail, parse_sizes
 from .config import POLICIES, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 
 
@@ -71,7 +71,7 @@ def validate(
         from simulator.run import latency_model
 
         spec, gpu_spec = resolve_model(model), resolve_gpu(gpu)
-        sizes = tuple(int(x) for x in decode_sizes.split(",")) if decode_sizes else None
+        sizes = parse_sizes(decode_sizes)
         cfg = SchedulerConfig(policy=policy, max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                               layers_per_step=layers_per_step, decode_sizes=sizes)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
