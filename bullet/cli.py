@@ -119,6 +119,11 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 
 app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
 
+from .cli_whatif import CONTEXT as _WHATIF_CONTEXT
+from .cli_whatif import whatif
+
+app.command(cls=PlainHelpCommand, context_settings=_WHATIF_CONTEXT)(whatif)
+
 from .cli_validate import validate
 
 app.command()(validate)
