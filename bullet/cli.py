@@ -126,7 +126,7 @@ app.command(cls=PlainHelpCommand, context_settings=_WHATIF_CONTEXT)(whatif)
 
 from .cli_validate import validate
 
-app.command()(validate)
+app.command(cls=PlainHelpCommand)(validate)
 
 Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
 SloName = Enum("SloName", {k.replace("-", "_"): k for k in ("none", *SLO_PRESETS)}, type=str)
@@ -617,7 +617,7 @@ def _gpu_short_name(name: str) -> str:
     return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def profile(
     model: Annotated[str, typer.Option(help="Model preset or a Hugging Face config.json / model folder.")]
     = "llama-3.1-8b",
@@ -684,9 +684,9 @@ def profile(
     console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json")
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand)
 def fit(
-    profile_dir: Annotated[Path, typer.Argument(help="Profile folder from `bullet profile` (points.csv + "
+    profile_dir: Annotated[Path, typer.Argument(metavar="PROFILE_DIR", help="Profile folder from `bullet profile` (points.csv + "
                                                      "metadata.json).")],
     out: Annotated[Path | None, typer.Option(help="Where to write the model JSON (default: "
                                                     "PROFILE_DIR/model.json).")] = None,
@@ -814,7 +814,7 @@ def print_summary(s: dict, console: Console) -> None:
 
 from .cli_run import register as _register_run  # `bullet run`: live serving (bullet/cli_run.py)
 
-_register_run(app)
+_register_run(app, PlainHelpCommand)
 
 
 def main() -> None:

@@ -116,5 +116,5 @@ def run(
             server.engine.executor.close()
 
 
-def register(app: typer.Typer) -> None:
-    app.command("run")(run)
+def register(app: typer.Typer, command_class=None) -> None:
+    app.command("run", cls=command_class)(run)
