@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bullet.config import GPUS, CacheConfig, SchedulerConfig, SloConfig, resolve_model
+from bullet.config import CacheConfig, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 from bullet.engine import serve
 from bullet.kvcache import BlockManager
 from bullet.metrics import request_columns, summarize
@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gpu", default="h200", help="GPU preset the policy and the simulator plan for")
     ap.add_argument("--runs", nargs="+", default=["sharegpt:6,9,12"], help="TRACE:RATE,RATE,...")
     ap.add_argument("--policies", nargs="+", default=["bullet", "chunked-2048"])
     ap.add_argument("--num-requests", type=int, default=120)
@@ -64,12 +65,8 @@ def main() -> None:
 
     from bullet.gpu.executor import GpuExecutor
 
-    spec, gpu = resolve_model(args.model), GPUS["h200"]
-    latency = latency_model(args.latency, spec, gpu) if args.model == "llama-3.1-8b" else None
-    if latency is None:
-        from tests.latency import LinearLatency
-
-        latency = LinearLatency(spec.num_layers)
+    spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    latency = latency_model(args.latency, spec, gpu)
     sizes = tuple(int(x) for x in args.decode_sizes.split(",")) if args.decode_sizes else None
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
