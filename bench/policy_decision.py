@@ -60,16 +60,16 @@ def main() -> None:
     args = ap.parse_args()
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
     sched, now, work = state(args.running, args.waiting, latency_model(args.latency, model, gpu))
-    decoding = list(sched._decoding())
-    view = sched._view(decoding, now)
+    view = sched._view(sched._decoding(), now)
     cases = {
-        "prefill slice split (_prefill_want)": lambda: sched._prefill_want(now, work),
+        "prefill slice split (_view + _prefill_want)":
+            lambda: sched._prefill_want(now, work, sched._view(sched._decoding(), now)),
         "  decoding requests and their step budget (_view)": lambda: sched._view(sched._decoding(), now),
         "  decode size (_decode_need)": lambda: sched._decode_need(view, work),
-        "queue order, 63 waiting (_order)": lambda: sched._order(now),
+        f"queue order, {len(sched.waiting)} waiting (_order)": lambda: sched._order(now),
         "decode lane: idle decoders (_decoders)": sched._decoders,
     }
-    print(f"bullet decision cost: {len(decoding)} decoding, {len(sched.waiting)} waiting, latency "
+    print(f"bullet decision cost: {view.work.seqs} decoding, {len(sched.waiting)} waiting, latency "
           f"{args.latency}\n")
     print("| piece | us per call |")
     print("|---|---:|")

@@ -103,7 +103,8 @@ def plot(runs: list[dict], caps: dict, rates_rows: list[dict], out: Path) -> lis
         for name in shown:
             pts = sorted((r["rate"], r["attainment"]) for r in runs
                          if r["trace"] == trace and r["slo"] == slo_set and r["policy"] == name)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"{name} ({caps[trace, slo_set, name]:.2f})")
+            label = f"{name} ({caps[trace, slo_set, name]:.2f})"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
         ax.axhline(0.9, color="grey", lw=0.8, ls="--")
         ax.set_title(f"{trace}, {slo_set} SLOs: attainment vs rate (capacity in legend)")
         ax.set_xlabel("request rate (req/s)")
@@ -174,7 +175,8 @@ def main() -> None:
             for frac in (0.5, 0.75, 1.0):
                 for name in shown:
                     tl = name == "bullet" and frac == 0.75
-                    rate_futs.append(pool.submit(run_point, t, s, name, frac * best, args.num_requests, args.latency, tl))
+                    rate_futs.append(pool.submit(run_point, t, s, name, frac * best, args.num_requests,
+                                                 args.latency, tl))
         rates_rows = [f.result() for f in rate_futs]
     write_csv(runs, args.out / "runs.csv")
     write_csv(rates_rows, args.out / "rates.csv")

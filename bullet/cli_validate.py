@@ -130,14 +130,14 @@ def validate(
 def prepare_graphs(ex, cfg: SchedulerConfig, gpu) -> None:
     """Capture, before serving, the decode graphs of every partition the policy will use."""
     if cfg.policy in ("chunked", "prefill-first"):
-        ex.capture("all", gpu.num_sms, ex._graph_args["buckets"])
+        ex.capture("all", gpu.num_sms, ex.graph_buckets)
     elif cfg.policy == "static-split":
-        ex.capture("decode", gpu.num_sms - cfg.prefill_sms, ex._graph_args["buckets"])
+        ex.capture("decode", gpu.num_sms - cfg.prefill_sms, ex.graph_buckets)
     elif cfg.policy == "naive-concurrent":
-        ex.capture("decode", gpu.num_sms, ex._graph_args["buckets"])
+        ex.capture("decode", gpu.num_sms, ex.graph_buckets)
     else:
         for d in (*(cfg.decode_sizes or gpu.decode_sizes[:-1]), gpu.num_sms):
-            ex.capture("decode", d, ex._graph_args["buckets"])
+            ex.capture("decode", d, ex.graph_buckets)
 
 
 def print_report(rep, title: str, max_error: float, console: Console) -> None:

@@ -146,7 +146,8 @@ class GpuExecutor:
         if self._own_menu:
             self.menu = PartitionMenu.create(self.device.index)
         self.use_graphs = use_graphs and self.cuda
-        self._graph_args = {"buckets": graph_buckets, "max_context": graph_max_context}
+        self.graph_buckets = tuple(graph_buckets)  # batch sizes decode graphs are captured for
+        self._graph_args = {"buckets": self.graph_buckets, "max_context": graph_max_context}
         self._graphs: dict[Lane, LaneGraphs] = {}
         self._last = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_requests - 1, -1, -1))

@@ -21,10 +21,10 @@ re-split at every launch of either lane:
   among requests predicted to meet theirs, or shortest first where that order still meets every one of
   those deadlines (the paper's heuristic, kept only where it breaks none). A request predicted to miss goes
   before the first on-time request due after its key, its deadline plus ``LATE_GRACE`` times its target, so
-  nobody arriving after that key is ahead of it: no starvation. With ``admission_control`` a request predicted to miss is rejected instead, on
-  arrival (behind the job in flight and the queued prompts due before it) or when the queue is next
-  ordered (``Request.error``; counted against attainment). Priority for KV is admission order (``base.py``), so the
-  no-livelock guarantee holds under this order too.
+  nobody arriving after that key is ahead of it: no starvation. With ``admission_control`` a request
+  predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
+  before it) or when the queue is next ordered (``Request.error``; counted against attainment). Priority for
+  KV is admission order (``base.py``), so the no-livelock guarantee holds under this order too.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class Bullet(LayerSliced):
         self._last_need = 0  # index of the decode size _decode_need chose last
         self.token_target = self._token_target()
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
+        self._late: set[int] = set()  # those of them still held (each is counted once)
 
     # ---- arrivals ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -92,21 +93,17 @@ class Bullet(LayerSliced):
     def _predicted_ttft(self, req: Request, deadline: float) -> float:
         """From arrival: the prefill job in flight, then every queued prompt due before ``deadline`` and this
         one, at the per-token speed prefill has now."""
-        ahead = req.known + sum(r.known for r in self.waiting if r is not req and self.deadline.get(r.id, 0.0) <= deadline)
+        due = self.deadline
+        ahead = req.known + sum(r.known for r in self.waiting if r is not req and due.get(r.id, 0.0) <= deadline)
         return max(0.0, self.prefill_until - req.arrival) + ahead * self._prefill_per_token()
 
     def _token_target(self) -> int:
         """Prefill tokens per batch: the smallest of 512..max_batched_tokens whose predicted per-token time on
         the whole GPU is within EFFICIENT_WITHIN of the best (batches of 512-token prompts)."""
-        L = self.model.num_layers
         sizes = [t for t in (512, 1024, 2048, 4096, 8192, 16384) if t <= self.cfg.max_batched_tokens]
         if not sizes:
             return self.cfg.max_batched_tokens
-        per_tok = []
-        for t in sizes:
-            n = t // 512
-            work = Work(L, t, n, n * 512 * 513 / 2, t, n, True, 512)
-            per_tok.append(float(self.latency.predict(work, self.N)) / t)
+        per_tok = [float(self.latency.predict(self._probe(t), self.N)) / t for t in sizes]
         best = min(per_tok)
         return next(t for t, x in zip(sizes, per_tok) if x <= best * (1 + EFFICIENT_WITHIN))
 
@@ -130,10 +127,11 @@ class Bullet(LayerSliced):
             self.job = (tuple(chunks), reqs, 0)
         chunks, reqs, first = self.job
         L = self.model.num_layers
-        alone = not d_cur and not self._decoders()  # nothing to share SMs with: the rest of the job at once
+        view = self._view(self._decoding(), now)
+        alone = not d_cur and not view.work.seqs  # nothing to share SMs with: the rest of the job at once
         layers = range(first, L if alone else min(first + self.layers_step, L))
         work = work_of(Batch(self.whole_gpu, layers, chunks), L)
-        p = self._prefill_want(now, work)
+        p = self.N if alone else self._prefill_want(now, work, view)
         if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
             if self.decode_until - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
                 return None
@@ -145,23 +143,20 @@ class Bullet(LayerSliced):
         self._slice_work = work
         return self._launch("prefill", batch, reqs)
 
-    def _prefill_want(self, now: float, work: Work) -> int:
-        """The prefill size for the next slice (``work``). Nothing decoding: the whole GPU. When the queue is
-        blocked (its head cannot be admitted: seats or KV are full), decode speed is what frees them, so
-        decode gets its knee and prefill the fewest SMs that still finish the job by its requests' deadlines.
-        Else prefill takes all that decode does not need for its TPOT targets."""
-        view = self._view(self._decoding(), now)
-        if not view.work.seqs and not self._decode_sms():
-            return self.N
+    def _prefill_want(self, now: float, work: Work, view: DecodeView) -> int:
+        """The prefill size for the next slice (``work``), next to the decoding requests (``view``). When the
+        queue is blocked (its head cannot be admitted: seats or KV are full), decode speed is what frees
+        them, so decode gets its knee and prefill the fewest SMs that still finish the job by its requests'
+        deadlines. Else prefill takes all that decode does not need for its TPOT targets."""
         if self.waiting and not self.admissible():
-            return max(self._prefill_need(now, self.pre_sizes), self.N - self._decode_knee(view.work, work))
+            return max(self._prefill_need(now), self.N - self._decode_knee(view.work, work))
         return self.N - self._decode_need(view, work)
 
-    def _prefill_need(self, now: float, sizes: list[int]) -> int:
+    def _prefill_need(self, now: float) -> int:
         """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
         deadline among its requests that can still meet theirs; the smallest size if none can."""
         chunks, reqs, first = self.job
-        L = self.model.num_layers
+        L, sizes = self.model.num_layers, self.pre_sizes
         left = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
         if left is None:
             return sizes[0]
@@ -298,7 +293,9 @@ class Bullet(LayerSliced):
                 t = end
             else:
                 late.append(r)
-        self.num_late += len(late)
+        fresh_late = [r.id for r in late if r.id not in self._late]
+        self.num_late += len(fresh_late)
+        self._late.update(fresh_late)
         if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
             by_len = sorted(on_time, key=lambda r: (r.known, r.id))
             t = now
@@ -315,13 +312,13 @@ class Bullet(LayerSliced):
                            f"{1e3 * self.target[r.id]:.0f} ms")
                 r.finish_time = now
                 self.rejected.append(r)
-                del self.deadline[r.id], self.target[r.id]
+                self._forget(r.id)
         elif late:  # each late request goes before the first on-time one due after its key
-            late.sort(key=lambda r: (self.deadline[r.id] + LATE_GRACE * self.target[r.id], r.id))
+            key = {r.id: self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in late}
+            late.sort(key=lambda r: (key[r.id], r.id))
             merged, i = [], 0
             for r in on_time:
-                while i < len(late) and self.deadline[late[i].id] + LATE_GRACE * self.target[late[i].id] < \
-                        self.deadline[r.id]:
+                while i < len(late) and key[late[i].id] < self.deadline[r.id]:
                     merged.append(late[i])
                     i += 1
                 merged.append(r)
@@ -330,17 +327,16 @@ class Bullet(LayerSliced):
             waiting.pop()
         waiting.extend(on_time)
 
-    def _prefill_per_token(self) -> float:
-        """Predicted prefill seconds per token on the SMs prefill has now."""
-        d = self._decode_sms()
-        return self._per_token(self.N - d if d < self.N else self.N)
+    def _probe(self, tokens: int) -> Work:
+        """A prefill of ``tokens`` tokens in 512-token prompts: what prefill speed is judged on."""
+        n = max(1, tokens // 512)
+        return Work(self.model.num_layers, tokens, n, n * 512 * 513 / 2, tokens, n, True, 512)
 
-    def _per_token(self, p: int) -> float:
-        """Predicted prefill seconds per token on ``p`` SMs (a token_target-sized batch of 512-token prompts)."""
-        t = self.token_target
-        n = max(1, t // 512)
-        work = Work(self.model.num_layers, t, n, n * 512 * 513 / 2, t, n, True, 512)
-        return float(self.latency.predict(work, p)) / t
+    def _prefill_per_token(self) -> float:
+        """Predicted prefill seconds per token on the SMs prefill has now (a token_target-sized batch)."""
+        d = self._decode_sms()
+        p = self.N - d if d < self.N else self.N
+        return float(self.latency.predict(self._probe(self.token_target), p)) / self.token_target
 
     def _take_whole(self) -> tuple[list[Chunk], list[Request]]:
         """Admit whole prompts from the head of the queue up to ``token_target`` tokens (the first one whatever
@@ -363,11 +359,14 @@ class Bullet(LayerSliced):
 
     def abort(self, req_id: int, now: float) -> Request | None:
         r = super().abort(req_id, now)
-        self.deadline.pop(req_id, None)  # (a running request's went with _finish; a queued one's goes here)
-        self.target.pop(req_id, None)
+        self._forget(req_id)  # (a running request's went with _finish; a queued one's goes here)
         return r
 
     def _finish(self, r: Request, now: float) -> None:
         super()._finish(r, now)
-        self.deadline.pop(r.id, None)
-        self.target.pop(r.id, None)
+        self._forget(r.id)
+
+    def _forget(self, req_id: int) -> None:
+        self.deadline.pop(req_id, None)
+        self.target.pop(req_id, None)
+        self._late.discard(req_id)
