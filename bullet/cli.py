@@ -13,7 +13,6 @@ import re
 import shlex
 import sys
 import tempfile
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -23,19 +22,73 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
+from .cli_options import (
+    DEFAULT_ARRIVAL,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CV,
+    DEFAULT_GPU,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_HASH_BLOCK_SIZE,
+    DEFAULT_LATENCY,
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_METRIC_PERCENTILES,
+    DEFAULT_MODEL,
+    DEFAULT_POLICY,
+    DEFAULT_PREFILL_SMS,
+    DEFAULT_PREFIX_CACHING,
+    DEFAULT_SEED,
+    DEFAULT_SLO,
+    DEFAULT_SLO_MARGIN,
+    DEFAULT_TRACE,
+    HARDWARE,
+    OUTPUT,
+    POLICY_FLAGS,
+    WORKLOAD,
+    AdmissionControlOpt,
+    ArrivalOpt,
+    BlockSizeOpt,
+    BurstinessOpt,
+    CvOpt,
+    DecodeSizesOpt,
+    FormatOpt,
+    GoodputOpt,
+    GpuMemoryUtilizationOpt,
+    GpuOpt,
+    HashBlockSizeOpt,
+    LatencyOpt,
+    LayersPerStepOpt,
+    MaxBatchedTokensOpt,
+    MaxConcurrencyOpt,
+    MaxNumSeqsOpt,
+    MetricPercentilesOpt,
+    ModelOpt,
+    NumBlocksOpt,
+    NumPromptsOpt,
+    PolicyOpt,
+    PrefillSmsOpt,
+    PrefixCachingOpt,
+    RequestRateOpt,
+    SeedOpt,
+    SloMarginOpt,
+    SloOpt,
+    SloTpotOpt,
+    SloTtftOpt,
+    SloTtftPerTokenOpt,
+    TraceOpt,
+    arrival_settings,
+    check_finite,
+    check_policy_flags,
+    given_flags,
+    load_requests,
+    parse_goodput,
+    parse_percentiles,
+    slo_config,
+    slo_name,
+)
 from .cli_trace import ArrivalChoice as Arrival
 from .cli_trace import fail, parse_sizes, trace_app
-from .config import (
-    POLICIES,
-    SLO_PRESETS,
-    CacheConfig,
-    ConfigError,
-    ModelSpec,
-    SchedulerConfig,
-    SloConfig,
-    resolve_gpu,
-    resolve_model,
-)
+from .config import CacheConfig, ConfigError, ModelSpec, SchedulerConfig, resolve_gpu, resolve_model
 from .request import Request
 
 if TYPE_CHECKING:
@@ -128,112 +181,6 @@ from .cli_validate import validate
 
 app.command(cls=PlainHelpCommand)(validate)
 
-Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
-SloName = Enum("SloName", {k.replace("-", "_"): k for k in ("none", *SLO_PRESETS)}, type=str)
-NO_SLO = SloConfig(ttft=None, tpot=None)
-
-# Flags that mean something to some policies only: flag -> (parameter, the policies it applies to).
-POLICY_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "--prefill-sms": ("prefill_sms", ("static-split",)),
-    "--layers-per-step": ("layers_per_step", ("static-split", "naive-concurrent", "bullet")),
-    "--slo-margin": ("slo_margin", ("bullet",)),
-    "--admission-control": ("admission_control", ("bullet",)),
-    "--decode-sizes": ("decode_sizes", ("bullet",)),
-}
-# Flags that shape generated arrivals: they apply only to a length-only trace at a finite rate.
-ARRIVAL_FLAGS: dict[str, str] = {"--arrival": "arrival", "--cv": "cv", "--burstiness": "burstiness"}
-
-WORKLOAD, POLICY, HARDWARE, SLOS, CACHE, OUTPUT = ("Workload", "Policy", "Model and GPU", "SLOs and metrics",
-                                                   "KV cache", "Output")
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value / 1e3
-
-
-def check_finite(values: dict[str, float | None], allow_inf: tuple[str, ...] = ()) -> None:
-    """Every number given must be finite (``inf`` only for the flags in ``allow_inf``)."""
-    for flag, value in values.items():
-        if value is None or math.isfinite(value) or (flag in allow_inf and value == math.inf):
-            continue
-        raise fail(f"{flag} must be a finite number, got {value:g}")
-
-
-def check_policy_flags(policy: str, given: set[str], layers_per_step: int | None, model: ModelSpec) -> None:
-    for flag, (param, policies) in POLICY_FLAGS.items():
-        if param in given and policy not in policies:
-            raise fail(f"{flag} does not apply to --policy {policy} (it is for {', '.join(policies)}): drop it "
-                       "or change --policy")
-    if layers_per_step is not None and layers_per_step > model.num_layers:
-        raise fail(f"--layers-per-step {layers_per_step} is more than the {model.num_layers} layers of "
-                   f"{model.name}")
-
-
-def parse_goodput(items: list[str]) -> dict[str, float]:
-    """``vllm bench serve --goodput`` items ``ttft:MS`` / ``tpot:MS`` -> {'ttft': ms, 'tpot': ms}."""
-    out: dict[str, float] = {}
-    for item in items:
-        for part in item.replace(",", " ").split():
-            key, sep, value = part.partition(":")
-            key = key.lower()
-            if not sep or key not in ("ttft", "tpot", "e2el"):
-                raise fail(f"--goodput takes ttft:MS and tpot:MS, got {part!r}")
-            if key == "e2el":
-                raise fail("--goodput e2el: an end-to-end latency SLO is not supported (give ttft and tpot)")
-            try:
-                ms = float(value)
-            except ValueError:
-                ms = math.nan
-            if not (math.isfinite(ms) and ms > 0):
-                raise fail(f"--goodput {key}: expected a positive number of milliseconds, got {value!r}")
-            if key in out:
-                raise fail(f"--goodput names {key} twice")
-            out[key] = ms
-    return out
-
-
-def slo_config(preset: str, given: set[str], ttft_ms: float | None, ttft_per_token_ms: float | None,
-               tpot_ms: float | None, goodput: dict[str, float]) -> SloConfig:
-    """The SLOs: ``--goodput`` alone (vLLM: exactly the targets it names), or the ``--slo`` set with any of
-    ``--slo-ttft`` / ``--slo-ttft-per-token`` / ``--slo-tpot`` replacing its values."""
-    own = [f for f, p in (("--slo", "slo"), ("--slo-ttft", "slo_ttft"), ("--slo-tpot", "slo_tpot"),
-                          ("--slo-ttft-per-token", "slo_ttft_per_token")) if p in given]
-    if goodput:
-        if own:
-            raise fail(f"give --goodput or {', '.join(own)}, not both")
-        return SloConfig(ttft=_ms(goodput.get("ttft")), tpot=_ms(goodput.get("tpot")))
-    if ttft_ms is not None and ttft_per_token_ms is not None:
-        raise fail("give --slo-ttft (absolute) or --slo-ttft-per-token, not both")
-    for flag, value in (("--slo-ttft", ttft_ms), ("--slo-tpot", tpot_ms), ("--slo-ttft-per-token", ttft_per_token_ms)):
-        if value is not None and value <= 0:
-            raise fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
-    base = NO_SLO if preset == "none" else SLO_PRESETS[preset]
-    ttft, per_token, tpot = base.ttft, base.ttft_per_token, base.tpot
-    if ttft_ms is not None:
-        ttft, per_token = _ms(ttft_ms), None
-    if ttft_per_token_ms is not None:
-        ttft, per_token = None, _ms(ttft_per_token_ms)
-    if tpot_ms is not None:
-        tpot = _ms(tpot_ms)
-    return SloConfig(ttft=ttft, ttft_per_token=per_token, tpot=tpot)
-
-
-def parse_percentiles(text: str) -> tuple[float, ...]:
-    """``--metric-percentiles 50,90,99`` (vLLM's form: comma-separated, each in (0, 100])."""
-    out: list[float] = []
-    for part in text.split(","):
-        try:
-            p = float(part)
-        except ValueError:
-            p = math.nan
-        if not (0 < p <= 100):
-            raise fail(f"--metric-percentiles takes comma-separated numbers in (0, 100], got {part.strip()!r}")
-        if p in out:
-            raise fail(f"--metric-percentiles names {p:g} twice")
-        out.append(p)
-    return tuple(out)
-
-
 def check_out_dir(out: Path) -> None:
     """Fail now, not after the simulation, where ``out`` cannot be a folder to write into. Nothing is created:
     the folder itself is made when the files are written."""
@@ -298,35 +245,6 @@ def too_long(requests: list[Request], model: ModelSpec, blocks: int, block_size:
     return out
 
 
-def load_requests(trace: str, fmt: str | None, num_requests: int | None, rate: float | None, arrival: str,
-                  cv: float, seed: int, hash_block_size: int, given: set[str]) -> tuple[list[Request], TraceTable]:
-    """The trace's requests and its table. ``rate`` inf: every request arrives at once (``vllm bench serve
-    --request-rate inf``). Arrival flags where arrivals are not generated (a timed trace, or rate inf) are
-    refused."""
-    from .traces import load_trace, read_table
-
-    table = read_table(trace, fmt, hash_block_size=hash_block_size)
-    arrival_flags = [f for f, p in ARRIVAL_FLAGS.items() if p in given]
-    if arrival_flags and rate == math.inf:
-        raise fail(f"{', '.join(arrival_flags)} shape generated arrivals; --request-rate inf sends every request "
-                   "at once")
-    if arrival_flags and table.arrivals is not None:
-        raise fail(f"{', '.join(arrival_flags)} shape generated arrivals, but {table.path} has arrival times "
-                   "(--request-rate rescales them, keeping their burst shape)")
-    if "cv" in given and arrival != "gamma":
-        raise fail(f"--cv applies to --arrival gamma, not {arrival}")
-    if table.arrivals is None and rate is None:
-        raise fail(f"{table.path} has no arrival times (a length-only trace): give --request-rate to generate "
-                   "them")
-    load_rate = rate if rate != math.inf else (None if table.arrivals is not None else 1.0)
-    requests = load_trace(trace, fmt, num_requests=num_requests, rate=load_rate, arrival_process=arrival, cv=cv,
-                          seed=seed, hash_block_size=hash_block_size)
-    if rate == math.inf:
-        for r in requests:
-            r.arrival = 0.0
-    return requests, table
-
-
 def reproduce_command(st: dict) -> str:
     """The ``bullet simulate`` command line that reruns a run from its recorded settings, every one explicit."""
     args = ["bullet", "simulate", "--trace", st["trace"], "--format", st["format"]]
@@ -374,93 +292,43 @@ def _sha256(path: str) -> str:
 @app.command(cls=PlainHelpCommand)
 def simulate(
     ctx: typer.Context,
-    trace: Annotated[str, typer.Option(
-        help="Trace file (Azure/Vidur CSV, Mooncake JSONL, length-only CSV) or a bundled trace: sharegpt, "
-             "azure-conv, azure-code, arxiv.", rich_help_panel=WORKLOAD)] = "sharegpt",
-    trace_format: Annotated[str | None, typer.Option(
-        "--format", help="Trace format, if not detected from the header: azure, vidur, mooncake, lengths.",
-        rich_help_panel=WORKLOAD)] = None,
-    num_requests: Annotated[int | None, typer.Option(
-        "--num-prompts", "--num-requests", min=1, help="Use the first N requests (by arrival).",
-        rich_help_panel=WORKLOAD)] = None,
-    request_rate: Annotated[float | None, typer.Option(
-        "--request-rate", "--rate", help="Requests/s: rescales a timed trace's arrivals (burst shape kept) or "
-        "generates arrivals for a length-only one; inf: all at once. [default: the trace's timing]",
-        show_default=False, rich_help_panel=WORKLOAD)] = None,
-    arrival: Annotated[Arrival, typer.Option(
-        help="Arrival process, where arrivals are generated (length-only traces).", rich_help_panel=WORKLOAD)]
-    = Arrival.poisson,
-    cv: Annotated[float, typer.Option(help="--arrival gamma: coefficient of variation of the gaps.",
-                                      rich_help_panel=WORKLOAD)] = 1.0,
-    burstiness: Annotated[float | None, typer.Option(
-        help="vLLM's name for gamma arrivals: shape B, CV 1/sqrt(B) (1: Poisson, < 1: burstier).",
-        show_default=False, rich_help_panel=WORKLOAD)] = None,
-    seed: Annotated[int, typer.Option(help="Seed of every random choice (generated arrivals).",
-                                      rich_help_panel=WORKLOAD)] = 0,
-    max_concurrency: Annotated[int | None, typer.Option(
-        min=1, help="As vllm bench serve: at most N requests in the server; later ones wait at the client and "
-        "are timed from when they are sent.", rich_help_panel=WORKLOAD)] = None,
+    trace: TraceOpt = DEFAULT_TRACE,
+    trace_format: FormatOpt = None,
+    num_requests: NumPromptsOpt = None,
+    request_rate: RequestRateOpt = None,
+    arrival: ArrivalOpt = DEFAULT_ARRIVAL,
+    cv: CvOpt = DEFAULT_CV,
+    burstiness: BurstinessOpt = None,
+    seed: SeedOpt = DEFAULT_SEED,
+    max_concurrency: MaxConcurrencyOpt = None,
     skip_oversized: Annotated[bool, typer.Option(
         "--skip-oversized", help="Leave out requests longer than the model or the whole KV cache (counted in "
         "the summary) instead of stopping at the first.", rich_help_panel=WORKLOAD)] = False,
-    hash_block_size: Annotated[int, typer.Option(
-        help="Prompt tokens per id in the trace's hash_ids (Mooncake: 512).", rich_help_panel=WORKLOAD)] = 512,
-    policy: Annotated[Policy, typer.Option(help="Scheduling policy.", rich_help_panel=POLICY)] = Policy.chunked,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.", rich_help_panel=POLICY)]
-    = 256,
-    max_batched_tokens: Annotated[int, typer.Option(
-        "--max-num-batched-tokens", "--max-batched-tokens", help="Token budget of a step: the chunk size of "
-        "chunked and prefill-first; the prefill batch cap of the split policies.", rich_help_panel=POLICY)]
-    = 8192,
-    prefill_sms: Annotated[int, typer.Option(
-        help="static-split: SMs of the prefill partition, from the GPU's menu (H200: 20, 28, ..., 124); "
-        "decode gets the rest.", rich_help_panel=POLICY)] = 92,
-    layers_per_step: Annotated[int | None, typer.Option(
-        min=1, help="static-split, naive-concurrent, bullet: prefill layers per launch. [default: all; "
-        "bullet: 8]", show_default=False, rich_help_panel=POLICY)] = None,
-    slo_margin: Annotated[float, typer.Option(
-        min=0.0, max=0.99, help="bullet: fit decode steps into each request's TPOT budget with this fraction to "
-        "spare.", rich_help_panel=POLICY)] = 0.1,
-    admission_control: Annotated[bool, typer.Option(
-        help="bullet: reject at once a request predicted to miss its TTFT.", rich_help_panel=POLICY)] = False,
-    decode_sizes: Annotated[str | None, typer.Option(
-        help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",
-        show_default=False, rich_help_panel=POLICY)] = None,
-    model: Annotated[str, typer.Option(
-        help="llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, qwen3-8b, or a Hugging Face config.json / folder.",
-        rich_help_panel=HARDWARE)] = "llama-3.1-8b",
+    hash_block_size: HashBlockSizeOpt = DEFAULT_HASH_BLOCK_SIZE,
+    policy: PolicyOpt = DEFAULT_POLICY,
+    max_num_seqs: MaxNumSeqsOpt = DEFAULT_MAX_NUM_SEQS,
+    max_batched_tokens: MaxBatchedTokensOpt = DEFAULT_MAX_BATCHED_TOKENS,
+    prefill_sms: PrefillSmsOpt = DEFAULT_PREFILL_SMS,
+    layers_per_step: LayersPerStepOpt = None,
+    slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
+    admission_control: AdmissionControlOpt = False,
+    decode_sizes: DecodeSizesOpt = None,
+    model: ModelOpt = DEFAULT_MODEL,
     tp: Annotated[int | None, typer.Option(
         "--tensor-parallel-size", "-tp", "--tp", min=1, help="Tensor-parallel degree. [default: the preset's]",
         show_default=False, rich_help_panel=HARDWARE)] = None,
-    gpu: Annotated[str, typer.Option(help="GPU preset: h200, h100, a100.", rich_help_panel=HARDWARE)] = "h200",
-    latency: Annotated[str, typer.Option(
-        help="Latency model: auto (the fitted one shipped for this model and GPU, else roofline), roofline, "
-        "fitted, or a model JSON from `bullet fit`.", rich_help_panel=HARDWARE)] = "auto",
-    slo: Annotated[SloName, typer.Option(
-        help="SLO set: the Bullet paper's per workload (TTFT ms per prompt token / TPOT ms: sharegpt 3/150, "
-        "azure-code 1.5/200, arxiv 1.5/175), tight (500 ms / 50 ms) or none.", rich_help_panel=SLOS)]
-    = SloName.paper_sharegpt,
-    slo_ttft: Annotated[float | None, typer.Option(
-        help="TTFT SLO in ms (replaces the set's).", show_default=False, rich_help_panel=SLOS)] = None,
-    slo_ttft_per_token: Annotated[float | None, typer.Option(
-        help="TTFT SLO in ms per prompt token (replaces the set's).", show_default=False, rich_help_panel=SLOS)]
-    = None,
-    slo_tpot: Annotated[float | None, typer.Option(
-        help="TPOT SLO in ms (replaces the set's).", show_default=False, rich_help_panel=SLOS)] = None,
-    goodput: Annotated[list[str] | None, typer.Option(
-        metavar="KEY:MS", help="As vllm bench serve: --goodput ttft:MS tpot:MS; exactly these SLOs (instead of --slo).",
-        show_default=False, rich_help_panel=SLOS)] = None,
-    metric_percentiles: Annotated[str, typer.Option(
-        help="Percentiles reported besides the mean, comma-separated.", rich_help_panel=SLOS)] = "50,90,99",
-    block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.", rich_help_panel=CACHE)] = 16,
-    num_blocks: Annotated[int | None, typer.Option(
-        "--num-gpu-blocks-override", "--num-blocks", help="KV cache blocks. [default: what fits in GPU memory]",
-        show_default=False, rich_help_panel=CACHE)] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(
-        help="Fraction of GPU memory for weights, activations and KV cache.", rich_help_panel=CACHE)] = 0.9,
-    prefix_caching: Annotated[bool, typer.Option(
-        help="Reuse the KV of full prompt blocks computed before (needs the trace's hash_ids).",
-        rich_help_panel=CACHE)] = True,
+    gpu: GpuOpt = DEFAULT_GPU,
+    latency: LatencyOpt = DEFAULT_LATENCY,
+    slo: SloOpt = DEFAULT_SLO,
+    slo_ttft: SloTtftOpt = None,
+    slo_ttft_per_token: SloTtftPerTokenOpt = None,
+    slo_tpot: SloTpotOpt = None,
+    goodput: GoodputOpt = None,
+    metric_percentiles: MetricPercentilesOpt = DEFAULT_METRIC_PERCENTILES,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    num_blocks: NumBlocksOpt = None,
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = DEFAULT_GPU_MEMORY_UTILIZATION,
+    prefix_caching: PrefixCachingOpt = DEFAULT_PREFIX_CACHING,
     out: Annotated[Path | None, typer.Option(
         help="Folder for summary.json, requests.csv (or .parquet) and timeline.csv.", show_default=False,
         rich_help_panel=OUTPUT)] = None,
@@ -472,19 +340,12 @@ def simulate(
                                           rich_help_panel=OUTPUT)] = False,
 ) -> None:
     """Simulate serving a trace on a virtual GPU: latency, throughput, SLO attainment and goodput."""
-    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    given = given_flags(ctx)
     # Everything that can be wrong is found before the simulation runs.
     check_finite({"--request-rate": request_rate, "--cv": cv, "--burstiness": burstiness, "--slo-ttft": slo_ttft,
                   "--slo-tpot": slo_tpot, "--slo-ttft-per-token": slo_ttft_per_token, "--slo-margin": slo_margin,
                   "--gpu-memory-utilization": gpu_memory_utilization}, allow_inf=("--request-rate",))
-    if request_rate is not None and request_rate <= 0:
-        raise fail(f"--request-rate must be a positive number of requests per second, got {request_rate:g}")
-    if burstiness is not None:
-        if burstiness <= 0:
-            raise fail(f"--burstiness must be positive, got {burstiness:g}")
-        if ("arrival" in given and arrival != Arrival.gamma) or "cv" in given:
-            raise fail("--burstiness sets gamma arrivals with CV 1/sqrt(B): give it or --arrival/--cv, not both")
-        arrival, cv = Arrival.gamma, 1.0 / math.sqrt(burstiness)
+    arrival, cv = arrival_settings(request_rate, arrival, cv, burstiness, given)
     if plot and out is None:
         raise fail("--plot needs --out DIR (the folder the PNG files go to)")
     if out is not None:
@@ -498,7 +359,7 @@ def simulate(
         need_module("matplotlib", "--plot", "plot")
     percentiles = parse_percentiles(metric_percentiles)
     slo_cfg = slo_config(slo.value, given, slo_ttft, slo_ttft_per_token, slo_tpot, parse_goodput(goodput or []))
-    slo_name = None if given & {"slo_ttft", "slo_ttft_per_token", "slo_tpot", "goodput"} else slo.value
+    slo_label = slo_name(slo.value, given)
     from simulator import simulate as run_simulation
     from simulator.run import latency_model, latency_name
 
@@ -570,7 +431,7 @@ def simulate(
         "decode_sizes": list(sizes) if sizes else None,
         "model": model, "tensor_parallel_size": model_spec.tp, "gpu": gpu_spec.name, "latency": latency,
         "latency_model": latency_name(latency_backend),
-        "slo": slo_name, "slo_ttft_ms": None if slo_cfg.ttft is None else slo_cfg.ttft * 1e3,
+        "slo": slo_label, "slo_ttft_ms": None if slo_cfg.ttft is None else slo_cfg.ttft * 1e3,
         "slo_ttft_per_token_ms": None if slo_cfg.ttft_per_token is None else slo_cfg.ttft_per_token * 1e3,
         "slo_tpot_ms": None if slo_cfg.tpot is None else slo_cfg.tpot * 1e3,
         "block_size": block_size, "num_gpu_blocks_override": num_blocks,
@@ -815,6 +676,10 @@ def print_summary(s: dict, console: Console) -> None:
 from .cli_run import register as _register_run  # `bullet run`: live serving (bullet/cli_run.py)
 
 _register_run(app, PlainHelpCommand)
+
+from .cli_bench import register as _register_bench  # `bullet bench`: load generator (bullet/cli_bench.py)
+
+_register_bench(app, PlainHelpCommand)
 
 
 def main() -> None:

@@ -4,67 +4,89 @@ from __future__ import annotations
 
 import logging
 import sys
-from enum import Enum
 from typing import Annotated
 
 import typer
 
+from .cli_options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_LATENCY,
+    DEFAULT_MAX_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MODEL,
+    DEFAULT_POLICY,
+    DEFAULT_PREFILL_SMS,
+    DEFAULT_PREFIX_CACHING,
+    DEFAULT_SLO,
+    DEFAULT_SLO_MARGIN,
+    HARDWARE,
+    AdmissionControlOpt,
+    BlockSizeOpt,
+    DecodeSizesOpt,
+    GoodputOpt,
+    GpuMemoryUtilizationOpt,
+    GpuOpt,
+    LatencyOpt,
+    LayersPerStepOpt,
+    MaxBatchedTokensOpt,
+    MaxNumSeqsOpt,
+    ModelOpt,
+    NumBlocksOpt,
+    PolicyOpt,
+    PrefillSmsOpt,
+    PrefixCachingOpt,
+    SloMarginOpt,
+    SloOpt,
+    SloTpotOpt,
+    SloTtftOpt,
+    SloTtftPerTokenOpt,
+    check_finite,
+    check_policy_flags,
+    given_flags,
+    parse_goodput,
+    slo_config,
+)
 from .cli_trace import fail, parse_sizes
-from .config import POLICIES, CacheConfig, ConfigError, SchedulerConfig, SloConfig
-
-Policy = Enum("Policy", {p.replace("-", "_"): p for p in POLICIES}, type=str)
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value / 1e3
+from .config import CacheConfig, ConfigError, SchedulerConfig, resolve_model
 
 
 def run(
-    model: Annotated[str, typer.Option(help="Model preset (llama-3.1-8b, qwen2.5-7b, qwen3-8b, tiny-llama, ...) or "
-                                            "a Hugging Face model folder (config.json; tokenizer.json, "
-                                            "tokenizer_config.json and *.safetensors where present).")]
-    = "llama-3.1-8b",
+    ctx: typer.Context,
+    model: ModelOpt = DEFAULT_MODEL,
     weights: Annotated[str, typer.Option(help="'auto' (the model folder's *.safetensors if any, else dummy), "
-                                              "'dummy' (seeded random weights) or a folder of *.safetensors.")]
-    = "auto",
+                                              "'dummy' (seeded random weights) or a folder of *.safetensors.",
+                                         rich_help_panel=HARDWARE)] = "auto",
     tokenizer: Annotated[str, typer.Option(help="'auto' (the model folder's tokenizer.json, else the byte-level "
                                                 "scheme for dummy weights: see the README), 'bytes', or a folder "
-                                                "with tokenizer.json.")] = "auto",
+                                                "with tokenizer.json.", rich_help_panel=HARDWARE)] = "auto",
     device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), or 'cpu' (eager, float32: use --model "
-                                             "tiny-llama).")] = "cuda",
-    gpu: Annotated[str, typer.Option(help="GPU preset whose partition menu the policy plans with (h200, h100, "
-                                          "a100).")] = "h200",
-    policy: Annotated[Policy, typer.Option(help="Scheduling policy.")] = Policy.chunked,
-    max_num_seqs: Annotated[int, typer.Option(help="Most requests running at once.")] = 256,
-    max_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", "--max-batched-tokens",
-                                                    help="Token budget of one step (see bullet simulate "
-                                                         "--help).")] = 8192,
-    prefill_sms: Annotated[int, typer.Option(help="static-split: SMs of the prefill partition.")] = 92,
-    layers_per_step: Annotated[int | None, typer.Option(help="Split policies: prefill layers per launch.")] = None,
-    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in ms (bullet plans with it).")] = 3000.0,
-    slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
-    slo_ttft_per_token: Annotated[float | None, typer.Option(help="TTFT SLO in ms per prompt token; overrides "
-                                                                  "--slo-ttft.")] = None,
-    slo_margin: Annotated[float, typer.Option(help="bullet: fraction of the TPOT budget kept spare.",
-                                              min=0.0, max=0.99)] = 0.1,
-    admission_control: Annotated[bool, typer.Option(help="bullet: refuse (503) requests predicted to miss "
-                                                         "their TTFT.")] = False,
-    decode_sizes: Annotated[str | None, typer.Option(help="bullet: comma-separated decode partition sizes.")]
-    = None,
+                                             "tiny-llama).", rich_help_panel=HARDWARE)] = "cuda",
+    gpu: GpuOpt = DEFAULT_GPU,
+    latency: LatencyOpt = DEFAULT_LATENCY,
+    policy: PolicyOpt = DEFAULT_POLICY,
+    max_num_seqs: MaxNumSeqsOpt = DEFAULT_MAX_NUM_SEQS,
+    max_batched_tokens: MaxBatchedTokensOpt = DEFAULT_MAX_BATCHED_TOKENS,
+    prefill_sms: PrefillSmsOpt = DEFAULT_PREFILL_SMS,
+    layers_per_step: LayersPerStepOpt = None,
+    slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
+    admission_control: AdmissionControlOpt = False,
+    decode_sizes: DecodeSizesOpt = None,
+    slo: SloOpt = DEFAULT_SLO,
+    slo_ttft: SloTtftOpt = None,
+    slo_ttft_per_token: SloTtftPerTokenOpt = None,
+    slo_tpot: SloTpotOpt = None,
+    goodput: GoodputOpt = None,
+    block_size: BlockSizeOpt = DEFAULT_BLOCK_SIZE,
+    num_blocks: NumBlocksOpt = None,
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = DEFAULT_GPU_MEMORY_UTILIZATION,
+    prefix_caching: PrefixCachingOpt = DEFAULT_PREFIX_CACHING,
     max_decode_steps: Annotated[int, typer.Option(help="Most decode steps fused into one launch (tokens stream "
                                                        "out per launch).")] = 16,
     fuse_window_ms: Annotated[float, typer.Option(help="How often the engine takes new requests while launches "
                                                        "run; a fused decode launch that a new request could "
                                                        "join ends about this far ahead.")] = 10.0,
-    block_size: Annotated[int, typer.Option(help="KV cache block size in tokens.")] = 16,
-    num_blocks: Annotated[int | None, typer.Option("--num-gpu-blocks-override", "--num-blocks",
-                                                   help="KV cache blocks (default: from GPU memory; 1024 on the "
-                                                        "CPU).")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights, activations "
-                                                               "and the KV cache.")] = 0.9,
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse the KV of full prompt blocks.")] = True,
-    latency: Annotated[str, typer.Option(help="Latency model the policy plans with: auto, roofline, fitted, or a "
-                                              "model JSON path.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of dummy weights and of unseeded sampling.")] = 0,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535)] = 8000,
@@ -81,16 +103,19 @@ def run(
     """Serve a model over an OpenAI-compatible HTTP API (vLLM's routes) with the chosen policy on the real
     executor. Stops on SIGINT/SIGTERM: refuses new requests (503), lets in-flight ones finish within
     --drain-timeout, aborts the rest, exits 0."""
-    for flag, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot),
-                        ("--slo-ttft-per-token", slo_ttft_per_token), ("--fuse-window-ms", fuse_window_ms)):
-        if value is not None and value <= 0:
-            raise fail(f"{flag} must be a positive number of milliseconds, got {value:g}")
+    given = given_flags(ctx)
+    check_finite({"--fuse-window-ms": fuse_window_ms, "--slo-margin": slo_margin,
+                  "--gpu-memory-utilization": gpu_memory_utilization})
+    if fuse_window_ms <= 0:
+        raise fail(f"--fuse-window-ms must be a positive number of milliseconds, got {fuse_window_ms:g}")
+    slo_cfg = slo_config(slo.value, given, slo_ttft, slo_ttft_per_token, slo_tpot, parse_goodput(goodput or []))
     try:
         from .server import build_server
         from .server.app import run_http
     except ImportError as e:
         raise fail(f"bullet run needs the server extra and torch ({e}): pip install -e '.[server,gpu]'") from None
     try:
+        check_policy_flags(policy.value, given, layers_per_step, resolve_model(model))
         sizes = parse_sizes(decode_sizes)
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                 prefill_sms=prefill_sms, layers_per_step=layers_per_step, slo_margin=slo_margin,
@@ -98,10 +123,9 @@ def run(
                                 max_decode_steps=max_decode_steps)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
-        slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         server = build_server(model, device=device, weights=weights,
                               tokenizer=None if tokenizer == "bytes" else tokenizer, gpu=gpu, sched=sched,
-                              cache=cache, slo=slo, latency=latency, seed=seed, served_model_name=served_model_name,
+                              cache=cache, slo=slo_cfg, latency=latency, seed=seed, served_model_name=served_model_name,
                               api_key=api_key, max_waiting=max_waiting, window_s=fuse_window_ms / 1e3)
     except (ConfigError, ValueError, OSError) as e:
         raise fail(str(e)) from None
