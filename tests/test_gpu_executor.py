@@ -59,12 +59,17 @@ def make_requests(n=7, seed=0, with_ids=False):
 
 
 def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, prefix_caching=False,
-              waves=None, **cfg):
+              waves=None, prefill_graphs=(), **cfg):
     """``waves``: lists of requests served one after another by the same scheduler and executor (so that
-    later ones can find earlier ones' blocks in the prefix cache); default one wave of ``reqs``."""
+    later ones can find earlier ones' blocks in the prefix cache); default one wave of ``reqs``.
+    ``prefill_graphs``: (lane, SMs) pairs to capture prefill graphs for, every bucket, the whole forward and
+    each one-layer slice."""
     gpu = GPUS["h200"]
     executor = GpuExecutor(SPEC, "dummy", device, block_size=4, num_blocks=num_blocks, seed=SEED,
-                           weights=weights, dtype=dtype, menu=menu)
+                           weights=weights, dtype=dtype, menu=menu, token_buckets=(16, 32, 64), graph_max_seqs=8)
+    L = SPEC.num_layers
+    for lane, sms in prefill_graphs:
+        executor.capture_prefill(lane, sms, layer_ranges=[range(L)] + [range(i, i + 1) for i in range(L)])
     kv = BlockManager(num_blocks, 4, prefix_caching)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers))
     steps = []
@@ -73,6 +78,7 @@ def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, me
         done += serve(wave, sched, executor, on_step=steps.append)
     executor.sched = sched
     executor.num_graphs = sum(len(lg.graphs) for lg in executor._graphs.values())  # before close() drops them
+    executor.prefill_replays = sum(pg.replays for pg in executor.prefill_graphs.values())
     executor.close()
     return done, steps, executor
 
@@ -111,6 +117,23 @@ def test_serve_matches_reference(weights, policy, cfg):
     if policy == "chunked":  # fused launches that start with a prefill-completing (mixed) step
         assert any(res.batch.steps > 1 and any(c.num_tokens > 1 for c in res.batch.chunks) for res in steps)
     assert not executor._reqs  # every finished request was released
+
+
+@pytest.mark.parametrize("policy,cfg,lanes", [
+    ("chunked", {"max_batched_tokens": 16}, [("all", 132)]),
+    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 92},
+     [("prefill", 92), ("decode", 40)]),
+])
+def test_serve_through_prefill_graphs_matches_reference(weights, policy, cfg, lanes):
+    """Prefill and mixed launches replayed from prefill graphs (on the CPU, the same body re-run on the
+    static buffers: padding rows and sequences, tile tables, one-layer slices handing over the hidden state,
+    sampling rows) give the reference's tokens."""
+    reqs = make_requests(7, seed=4, with_ids=True)
+    done, steps, executor = run_serve(weights, reqs, policy, prefill_graphs=lanes, **cfg)
+    check_against_reference(weights, done, reqs)
+    graphed = [r for r in steps if sum(c.num_tokens for c in r.batch.chunks) <= 64 and len(r.batch.chunks) <= 8
+               and any(c.num_tokens > 1 for c in r.batch.chunks)]
+    assert graphed and executor.prefill_replays >= len(graphed)
 
 
 def test_preemption_recompute_matches_reference(weights):
@@ -251,17 +274,22 @@ def test_seeded_sampling_is_deterministic(weights):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,cfg", [
-    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 68}),
-    ("chunked", {"max_batched_tokens": 16}),
+@pytest.mark.parametrize("policy,cfg,lanes", [
+    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 68}, ()),
+    ("chunked", {"max_batched_tokens": 16}, ()),
+    ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 68},
+     [("prefill", 68), ("decode", 64)]),
+    ("chunked", {"max_batched_tokens": 16}, [("all", 132)]),
 ])
-def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg):
-    """float32 on the GPU (Triton kernels, green-context streams, decode graphs) against the reference."""
+def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg, lanes):
+    """float32 on the GPU (Triton kernels, green-context streams, decode graphs, and prefill graphs where
+    ``lanes`` asks) against the reference."""
     reqs = make_requests(7, seed=2, with_ids=True)
     done, _steps, executor = run_serve(weights, reqs, policy, device="cuda", dtype=torch.float32,
-                                       menu=gpu_menu, **cfg)
+                                       menu=gpu_menu, prefill_graphs=lanes, **cfg)
     check_against_reference(weights, done, reqs)
     assert executor.num_graphs > 0  # decode ran as CUDA graphs captured on the partitions
+    assert (executor.prefill_replays > 0) == bool(lanes)
 
 
 @pytest.mark.gpu

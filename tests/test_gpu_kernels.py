@@ -14,6 +14,7 @@ from bullet.gpu.kernels.activation import silu_mul
 from bullet.gpu.kernels.decode_attention import paged_decode_attention
 from bullet.gpu.kernels.gemv import GEMV_DEFAULT, gemv
 from bullet.gpu.kernels.norm import rms_norm
+from bullet.gpu.kernels.prefill_attention import block_q, prefill_attention, tile_table
 from bullet.gpu.kernels.rope import rope_and_store
 
 
@@ -84,6 +85,67 @@ def test_decode_attention_cpu_fp32(heads, num_splits, layout):
     ctx = [1, 5, 16, 17, 70, 0, 33]
     check_decode(ctx, heads[0], heads[1], 16, 4, "cpu", torch.float32, seed=sum(heads), tol=1e-5,
                  num_splits=num_splits, layout=layout)
+
+
+def prefill_reference(q, k, v, bt, q_lens, ctx_lens, first, scale) -> torch.Tensor:
+    """float64: sequence s's new tokens (rows in order) attend causally to its ctx_lens[s] pool tokens, the
+    last q_lens[s] of which are the new ones; rows of sequences before ``first`` are zero."""
+    T, H, D = q.shape
+    page, kvh = k.shape[1], k.shape[2]
+    out = torch.zeros(T, H, D, dtype=torch.float64, device=q.device)
+    row = 0
+    for s, (n, c) in enumerate(zip(q_lens, ctx_lens)):
+        if s >= first:
+            p = torch.arange(c, device=q.device)
+            slots = bt[s].long()[p // page] * page + p % page
+            ks = k.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
+            vs = v.reshape(-1, kvh, D)[slots].double().repeat_interleave(H // kvh, dim=1)
+            sc = torch.einsum("nhd,khd->hnk", q[row:row + n].double(), ks) * scale
+            qpos = torch.arange(c - n, c, device=q.device)
+            sc = sc.masked_fill(p[None, None, :] > qpos[None, :, None], float("-inf"))
+            out[row:row + n] = torch.einsum("hnk,khd->nhd", torch.softmax(sc, dim=-1), vs)
+        row += n
+    return out
+
+
+def check_prefill(q_lens, prefix_lens, h, kvh, d, page, device, dtype, seed, tol, layout="hnd", first=0,
+                  pad=0, **options):
+    ctx_lens = [n + p for n, p in zip(q_lens, prefix_lens)]
+    k, v, bt = make_pool(ctx_lens, kvh, d, page, device, dtype, seed, layout)
+    g = torch.Generator().manual_seed(seed + 1)
+    T = sum(q_lens)
+    q = torch.randn(T, h, d, generator=g).to(device=device, dtype=dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cl = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    table = tile_table(q_lens, ctx_lens, first, block_q(h // kvh))
+    tiles = torch.from_numpy(tile_table(q_lens, ctx_lens, first, block_q(h // kvh), len(table) + pad)).to(device)
+    out = torch.full_like(q, float("nan"))  # poisoned: rows of the tiles must be written, others not
+    prefill_attention(q, k, v, bt, starts, cl, tiles, d ** -0.5, out, **options)
+    ref = prefill_reference(q, k, v, bt, q_lens, ctx_lens, first, d ** -0.5)
+    skip = int(starts[first])
+    assert torch.isnan(out[:skip]).all()  # rows of the sequences before ``first`` untouched
+    err = rel(out[skip:], ref[skip:])
+    assert err < tol, err
+    return err
+
+
+def test_tile_table_by_hand():
+    # seq 0: 1 token (decode, before first=1); seq 1: 5 new over a prefix of 3; seq 2: 2 new, no prefix; bq 2
+    t = tile_table([1, 5, 2], [10, 8, 2], first=1, bq=2, pad_to=6)
+    # tiles (seq, m0) with work prefix + min(m0 + 2, n): (1,0) 5, (1,2) 7, (1,4) 8, (2,0) 2; most first
+    assert t.tolist() == [[1, 4], [1, 2], [1, 0], [2, 0], [-1, 0], [-1, 0]]
+    with pytest.raises(ValueError, match="room for 3"):
+        tile_table([1, 5, 2], [10, 8, 2], first=1, bq=2, pad_to=3)
+    assert block_q(4) == 32 and block_q(7) == 16 and block_q(1) == 128
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 2), (7, 1)])
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_prefill_attention_cpu_fp32(heads, layout):
+    """Fresh prompts, chunks over a cached prefix (one crossing block boundaries), decode rows left alone,
+    padded tile rows: one call."""
+    check_prefill([1, 1, 37, 5, 70, 1], [9, 0, 0, 13, 33, 4], heads[0], heads[1], 16, 4, "cpu", torch.float32,
+                  seed=sum(heads), tol=1e-5, layout=layout, first=2, pad=3)
 
 
 def test_rms_norm():
@@ -182,6 +244,21 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2},
                     {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1}):
         check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4)])
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+def test_gpu_prefill_attention_vs_float64(heads, layout):
+    h, kvh = heads
+    check_prefill([4096], [0], h, kvh, 128, 16, "cuda", torch.bfloat16, 1, 1e-2, layout)
+    check_prefill([1, 300, 1, 8193, 7], [50, 0, 99, 0, 0], h, kvh, 128, 16, "cuda", torch.bfloat16, 2, 1e-2,
+                  layout, first=0, pad=5)
+    check_prefill([1, 1, 512, 256, 1000], [700, 3, 4096, 17, 0], h, kvh, 128, 16, "cuda", torch.bfloat16, 3,
+                  1e-2, layout, first=2)
+    check_prefill([33, 200], [1000, 0], h, kvh, 128, 16, "cuda", torch.float32, 4, 1e-5, layout)
+    for options in ({"block_n": 32}, {"block_n": 128, "num_stages": 3}, {"num_warps": 4}):
+        check_prefill([64] * 20, [100] * 20, h, kvh, 128, 16, "cuda", torch.bfloat16, 5, 1e-2, layout, **options)
 
 
 @pytest.mark.gpu

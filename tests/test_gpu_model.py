@@ -56,7 +56,7 @@ class Runner:
         return Chunk(rid, start, n, tuple(table), True, tuple(self.ids[rid][start:start + n]))
 
     def run(self, chunks: list[Chunk], layers: range | None = None) -> tuple[torch.Tensor, object]:
-        meta = build_meta(chunks, self.block_size, self.device)
+        meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q)
         x = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
         h = self.model.forward(x, layers or range(self.spec.num_layers), meta, self.kv)
         return h, meta
@@ -77,13 +77,15 @@ def random_ids(spec: ModelSpec, n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("path", ["tiles", "sdpa", "sdpa-gqa"])
 @pytest.mark.parametrize("layout", ["hnd", "nhd"])
-def test_paged_fp32_matches_reference_prefill_chunked_and_decode(variant, gqa, layout):
+def test_paged_fp32_matches_reference_prefill_chunked_and_decode(variant, path, layout):
+    """Both prefill attention paths: the one-call kernel over the pool, SDPA per sequence (heads expanded or
+    not)."""
     spec = VARIANTS[variant]
     w = load_weights(spec, "dummy", "cpu", torch.float32, seed=1)
     r = Runner(spec, w, "cpu", torch.float32, layout=layout)
-    r.model.prefill_config = {"enable_gqa": gqa}
+    r.model.prefill_config = {} if path == "tiles" else {"sdpa": True, "enable_gqa": path == "sdpa-gqa"}
     lens = [5, 17, 33]
     for i, n in enumerate(lens):
         r.ids[i] = random_ids(spec, n + 8, seed=10 + i)
@@ -288,14 +290,16 @@ def _gpu_spec(kind: str) -> ModelSpec:
     return replace(MODELS["qwen3-8b"], name="qwen3-2l", num_layers=2, vocab_size=4096)
 
 
-PREFILL_CONFIGS = {"default": {}, "gqa": {"enable_gqa": True}, "flash": {"backends": ["FLASH_ATTENTION"]},
-                   "cudnn": {"backends": ["CUDNN_ATTENTION"]},
-                   "gqa+cudnn": {"enable_gqa": True, "backends": ["CUDNN_ATTENTION"]}}
+PREFILL_CONFIGS = {"default": {}, "sdpa": {"sdpa": True}, "gqa": {"sdpa": True, "enable_gqa": True},
+                   "flash": {"sdpa": True, "backends": ["FLASH_ATTENTION"]},
+                   "cudnn": {"sdpa": True, "backends": ["CUDNN_ATTENTION"]},
+                   "gqa+cudnn": {"sdpa": True, "enable_gqa": True, "backends": ["CUDNN_ATTENTION"]},
+                   "tiles-32": {"tiles": {"block_n": 32, "num_warps": 4}}}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,prefill", [("llama", "default"), ("qwen2", "default"), ("qwen3", "default"),
-                                          ("llama", "gqa"), ("llama", "flash"), ("llama", "cudnn"),
+                                          ("llama", "sdpa"), ("qwen2", "tiles-32"), ("llama", "gqa"), ("llama", "flash"), ("llama", "cudnn"),
                                           ("qwen2", "gqa+cudnn")])
 def test_gpu_bf16_logits_match_fp32_reference(kind, prefill):
     from torch.nn.attention import SDPBackend

@@ -1,9 +1,11 @@
 """Attention metadata (built once per launch from the chunks; nothing global), the static buffers that decode
 CUDA graphs are captured on, and attention over the paged pool.
 
-Rows ``[0, num_decode)`` are one-token chunks and go through the paged decode kernel in one launch; the
-remaining chunks (prefill, or anything after the first multi-token chunk) go through SDPA one sequence at a
-time: with no cached prefix on the chunk's own k/v (causal), with a prefix on k/v gathered from the pool.
+Rows ``[0, num_decode)`` are one-token chunks and go through the paged decode kernel in one launch. The
+remaining chunks (prefill, or anything after the first multi-token chunk) go, where the metadata carries a
+tile table (``build_meta(..., block_q=...)``), through one causal attention call over the pool for all of them
+(``kernels.prefill_attention``: Triton on CUDA, its torch twin on the CPU); without one, through SDPA one
+sequence at a time (on the chunk's own k/v when it has no cached prefix, else on k/v gathered from the pool).
 Executors should put decode chunks first.
 """
 
@@ -20,6 +22,13 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..batch import Chunk
 from .kernels.decode_attention import paged_decode_attention
+from .kernels.prefill_attention import prefill_attention, tile_table
+
+# A lone fresh prompt of this many tokens or more goes to SDPA (cuDNN) on CUDA even with a tile table: on the
+# H200 at 4096 tokens it ran 0.35 ms a layer against 0.53-0.61 for the tile kernel, at 8192 1.07 against 1.58
+# (bench/prefill_attention.py); at 1024 the two were equal, and with several sequences or a cached prefix the
+# tile kernel won 1.3-114x (one call instead of one per sequence, no gather).
+SDPA_FROM = 2048
 
 # columns of the packed int32 metadata rows (one host->device copy per launch)
 _POS, _CTX, _SLOT, _SAMPLE = 0, 1, 2, 3
@@ -39,6 +48,7 @@ class AttnMeta:
     block_size: int
     q_lens: tuple[int, ...]  # host copies, used by the prefill path only
     ctx_lens: tuple[int, ...] | None
+    tiles: torch.Tensor | None = None  # [tiles, 2] int32 (sequence, first token): the one-call prefill path
 
     @property
     def num_seqs(self) -> int:
@@ -50,48 +60,66 @@ class AttnMeta:
 
 
 def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | str,
-               max_blocks: int | None = None) -> AttnMeta:
-    """Metadata for one launch over ``chunks`` (their token rows in chunk order)."""
+               max_blocks: int | None = None, block_q: int | None = None) -> AttnMeta:
+    """Metadata for one launch over ``chunks`` (their token rows in chunk order). ``block_q``: new tokens per
+    tile of the one-call prefill attention (``kernels.prefill_attention.block_q``); None: SDPA per sequence."""
     n = len(chunks)
     q_lens = tuple(c.num_tokens for c in chunks)
     ctx_lens = tuple(c.start + c.num_tokens for c in chunks)
     T = sum(q_lens)
     need_blocks = max((-(-c // block_size) for c in ctx_lens), default=1)
-    width = max(1, need_blocks if max_blocks is None else max_blocks)
+    # a width that is a multiple of 16 and 16-byte aligned parts of the buffer below: Triton compiles a kernel
+    # per divisibility of its integer and pointer arguments, so these keep every launch on one compiled variant
+    width = max(1, -(-need_blocks // 16) * 16 if max_blocks is None else max_blocks)
     if need_blocks > width:
         raise ValueError(f"build_meta: a chunk needs {need_blocks} blocks, more than max_blocks={width}")
     num_decode = 0
     while num_decode < n and q_lens[num_decode] == 1:
         num_decode += 1
     num_sampled = sum(1 for c in chunks if c.sample)
-    # one int32 buffer: [positions T | slots T | seq_starts n+1 | ctx n | sample_rows k | block tables n*width]
-    sizes = (T, T, n + 1, n, num_sampled, n * width)
-    offs = np.cumsum((0,) + sizes)
+    tiles = None if block_q is None else tile_table(q_lens, ctx_lens, num_decode, block_q)
+    # one int32 buffer: [positions T | slots T | seq_starts n+1 | ctx n | sample_rows k | block tables n*width
+    # | tiles 2 t]
+    sizes = (T, T, n + 1, n, num_sampled, n * width, 0 if tiles is None else tiles.size)
+    offs = np.cumsum((0,) + tuple(-(-x // 4) * 4 for x in sizes))
     buf = np.zeros(offs[-1], dtype=np.int32)
-    pos, slot, starts, ctx, sample, bt = (buf[offs[i]:offs[i + 1]] for i in range(6))
-    bt = bt.reshape(n, width)
+    pos, slot, starts, ctx, sample, bt, tls = (buf[offs[i]:offs[i] + sizes[i]] for i in range(7))
+    if tiles is not None:
+        tls[:] = tiles.ravel()
+    fill_rows(chunks, block_size, pos, slot, starts, ctx, sample, bt.reshape(n, width))
+    dev = torch.from_numpy(buf).to(device)
+    parts = [dev[offs[i]:offs[i] + sizes[i]] for i in range(7)]
+    return AttnMeta(positions=parts[0], slot_mapping=parts[1], seq_starts=parts[2], context_lens=parts[3],
+                    sample_rows=parts[4], block_tables=parts[5].view(n, width), num_decode=num_decode,
+                    max_context=max(ctx_lens, default=1), block_size=block_size, q_lens=q_lens,
+                    ctx_lens=ctx_lens, tiles=None if tiles is None else parts[6].view(-1, 2))
+
+
+def fill_rows(chunks: Sequence[Chunk], block_size: int, pos: np.ndarray, slot: np.ndarray, starts: np.ndarray,
+              ctx: np.ndarray, sample: np.ndarray, bt: np.ndarray) -> None:
+    """Write the chunks' rows into int32 arrays: positions and pool slots of the new tokens, cu_seqlens
+    (``starts[0]`` is left as it is: 0), contexts after the launch, the row of each sampling chunk's last
+    token, and block tables (``bt [>= len(chunks), >= blocks needed]``; columns past a chunk's need untouched)."""
     row = k = 0
     for i, c in enumerate(chunks):
-        blocks = np.asarray(c.block_ids[:-(-ctx_lens[i] // block_size)], dtype=np.int64)
-        if len(blocks) * block_size < ctx_lens[i]:
+        n = c.start + c.num_tokens
+        need = -(-n // block_size)
+        blocks = np.asarray(c.block_ids[:need], dtype=np.int64)
+        if len(blocks) < need:
             raise ValueError(f"build_meta: request {c.req_id} has {len(c.block_ids)} blocks, too few for "
-                             f"{ctx_lens[i]} tokens")
-        bt[i, :len(blocks)] = blocks
-        p = np.arange(c.start, c.start + c.num_tokens)
+                             f"{n} tokens")
+        if need > bt.shape[1]:
+            raise ValueError(f"build_meta: request {c.req_id} needs {need} blocks, room for {bt.shape[1]}")
+        bt[i, :need] = blocks
+        p = np.arange(c.start, n)
         pos[row:row + c.num_tokens] = p
         slot[row:row + c.num_tokens] = blocks[p // block_size] * block_size + p % block_size
         row += c.num_tokens
         starts[i + 1] = row
-        ctx[i] = ctx_lens[i]
+        ctx[i] = n
         if c.sample:
             sample[k] = row - 1
             k += 1
-    dev = torch.from_numpy(buf).to(device)
-    parts = [dev[offs[i]:offs[i + 1]] for i in range(6)]
-    return AttnMeta(positions=parts[0], slot_mapping=parts[1], seq_starts=parts[2], context_lens=parts[3],
-                    sample_rows=parts[4], block_tables=parts[5].view(n, width), num_decode=num_decode,
-                    max_context=max(ctx_lens, default=1), block_size=block_size, q_lens=q_lens,
-                    ctx_lens=ctx_lens)
 
 
 class DecodeBuffers:
@@ -169,12 +197,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
     """``q``: ``[T, H, D]``; ``k``/``v``: ``[T, KVH, D]`` of the new tokens (already stored in the pool).
     ``decode_config``: launch options of the decode kernel (block_n, num_warps, num_stages, num_splits,
     head_first). ``prefill_config``: ``backends`` (a list of ``torch.nn.attention.SDPBackend`` to allow) and
-    ``enable_gqa`` (pass KV heads unexpanded to SDPA).
+    ``enable_gqa`` (pass KV heads unexpanded to SDPA) for the SDPA path; ``tiles`` (options of
+    ``prefill_attention``: block_n, num_warps, num_stages) for the one-call path, and ``sdpa_from`` (a lone fresh
+    prompt this long goes to SDPA on CUDA all the same; default ``SDPA_FROM``).
     Returns ``[T, H, D]``."""
     T, H, D = q.shape
     nd = meta.num_decode
     cfg = prefill_config or {}
-    if nd == meta.num_seqs - 1 and nd == 0 and meta.ctx_lens is not None and meta.ctx_lens[0] == T:
+    if nd == meta.num_seqs - 1 and nd == 0 and meta.ctx_lens is not None and meta.ctx_lens[0] == T \
+            and (meta.tiles is None or (q.is_cuda and T >= cfg.get("sdpa_from", SDPA_FROM))):
         # one prompt from position 0 and nothing else: SDPA's output is the result, no copy
         return _prefill_one(q, k, v, None, scale, cfg)
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
@@ -183,6 +214,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
                                scale, meta.max_context, out=out[:nd], **(decode_config or {}))
     if nd == meta.num_seqs:
         return out
+    if meta.tiles is not None:  # every multi-token chunk in one call, keys and values from the pool
+        return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_starts, meta.context_lens,
+                                 meta.tiles, scale, out, **cfg.get("tiles", {}))
     assert meta.ctx_lens is not None, "multi-token chunks need host-side lengths (use build_meta)"
     B = meta.block_size
     row = nd

@@ -26,6 +26,11 @@ and then ``steps - 1`` decode steps of every chunk, replaying the step graph bac
 its sampled ids to the next on the device (the block tables loaded for the first step already cover every step:
 ``steps`` fused steps need each request's table to hold ``start + steps`` tokens at launch).
 
+Prefill and mixed launches of up to ``max(token_buckets)`` tokens and ``graph_max_seqs`` chunks replay a
+prefill graph (prefill_graphs.py) where ``capture_prefill`` captured one for their partition, token bucket,
+layer range and sampling mode; the others run eagerly. Their attention is one kernel call per layer over the
+pool (``build_meta(..., block_q=...)``: the model's tile size) in both cases.
+
 The only host sync per launch is the one that reads the sampled tokens (after the end event); ``wait``
 blocks on an event only while a single lane is in flight, and otherwise polls every lane's end event (so the
 lane that finishes first is seen first). The eager path's ``build_meta`` copies its metadata from pageable
@@ -56,6 +61,7 @@ from .kernels.gemv import GEMV_DEFAULT
 from .kvcache import PagedKvCache
 from .model import Model
 from .partitions import PartitionMenu, Side
+from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs
 from .sampling import sample
 from .weights import load_weights
 
@@ -117,7 +123,8 @@ class GpuExecutor:
                  seed: int = 0, dtype: torch.dtype | None = None, weights: dict | None = None,
                  max_requests: int = 16384, graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
                  graph_max_context: int = 16384, poll_s: float = 0.0, kv_layout: str = "hnd",
-                 one_token_gemv: dict | None | str = "default") -> None:
+                 one_token_gemv: dict | None | str = "default",
+                 token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS, graph_max_seqs: int = 64) -> None:
         self._t0 = time.perf_counter()
         self.spec = spec
         self.device = torch.device(device)
@@ -149,6 +156,11 @@ class GpuExecutor:
         self.graph_buckets = tuple(graph_buckets)  # batch sizes decode graphs are captured for
         self._graph_args = {"buckets": self.graph_buckets, "max_context": graph_max_context}
         self._graphs: dict[Lane, LaneGraphs] = {}
+        # prefill / mixed launches of up to max(token_buckets) tokens and graph_max_seqs chunks replay a graph
+        # where one was captured for their partition, bucket and layers (capture_prefill), else run eagerly
+        self._pgraph_args = {"buckets": tuple(token_buckets), "max_seqs": graph_max_seqs,
+                             "max_context": graph_max_context}
+        self.prefill_graphs: dict[Lane, PrefillGraphs] = {}  # by lane (capture_prefill)
         self._last = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._reqs: dict[int, _ReqState] = {}
@@ -260,6 +272,36 @@ class GpuExecutor:
             for bs in sizes:
                 self.graphs(lane).capture(side, bs, greedy)
 
+    def capture_prefill(self, lane: Lane, num_sms: int, buckets: Sequence[int] | None = None,
+                        layer_ranges: Sequence[range] | None = None, greedy: Sequence[bool] = (True,)) -> int:
+        """Capture prefill/mixed-launch graphs ahead of use for ``lane`` on the partition a batch with
+        ``num_sms`` gets: every token bucket (default: all) x layer range (default: all layers) x sampling
+        mode. Returns how many graphs the lane has. On the CPU the "graphs" re-run the same body (tests)."""
+        if self.cuda and not self.use_graphs:
+            return 0
+        pg = self.prefill_graphs.get(lane)
+        if pg is None:
+            pg = self.prefill_graphs[lane] = PrefillGraphs(self.model, self.kv, self.device, **self._pgraph_args)
+        side = self.menu.side(lane, num_sms) if self.cuda else None
+        for b in buckets or pg.buckets:
+            for layers in layer_ranges or (range(self.spec.num_layers),):
+                for g in greedy:
+                    pg.capture(side, b, layers, g)
+        return len(pg.graphs)
+
+    def _prefill_graph(self, lane: Lane, side: Side | None, chunks: Sequence[Chunk], samp: Sequence[Chunk],
+                       x: torch.Tensor, layers: range) -> torch.Tensor | None:
+        """Run the launch through a captured prefill graph where one fits: the hidden state (a slice that
+        stops short) or the sampled ids ``[len(samp)]``; None: no graph (run it eagerly)."""
+        pg = self.prefill_graphs.get(lane)
+        if pg is None or (b := pg.bucket(chunks)) is None:
+            return None
+        full = layers.stop == self.spec.num_layers
+        greedy, temp, top_p, seeds, offsets = self._sampling_args(samp, 1) if full else (True,) * 5
+        if pg.key(side, b, layers, greedy) not in pg.graphs:
+            return None
+        return pg.run(side, chunks, x, b, layers, greedy, None if greedy else (temp, top_p, seeds, offsets))
+
     # ------------------------------------------------------------------ inputs
     def _state(self, req_id: int) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -366,8 +408,10 @@ class GpuExecutor:
         sampling = [j for j, c in enumerate(chunks) if c.sample]
         cols = [perm[j] for j in sampling]
         if layers.stop < L:
-            meta = build_meta(chunks, self.block_size, self.device)
-            hidden = self.model.forward(x, layers, meta, self.kv)
+            hidden = self._prefill_graph(lane, side, chunks, (), x, layers)
+            if hidden is None:
+                meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q)
+                hidden = self.model.forward(x, layers, meta, self.kv)
             ev = None
             if self.cuda:
                 ev = torch.cuda.Event()
@@ -384,7 +428,12 @@ class GpuExecutor:
         if self._graph_ok(lane, chunks, samp, steps):
             toks = self._graph_steps(lane, side, chunks, x, steps, record)
         else:
-            toks = self._eager_steps(chunks, sampling, x, layers, 1, record)
+            first = self._prefill_graph(lane, side, chunks, samp, x, layers)
+            if first is None:
+                toks = self._eager_steps(chunks, sampling, x, layers, 1, record)
+            else:
+                toks = first[None, :].clone() if samp else None
+                record()
             if steps > 1:  # a mixed first step, then steps - 1 decode steps of every chunk (all sample)
                 dec = [Chunk(c.req_id, c.start + c.num_tokens, 1, c.block_ids, True, None, c.sampling)
                        for c in samp]
@@ -461,7 +510,7 @@ class GpuExecutor:
         toks = torch.empty((steps, len(samp)), dtype=torch.int64, device=self.device) if samp else None
         for k in range(steps):
             cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]  # k > 0: decode only
-            meta = build_meta(cur, self.block_size, self.device)
+            meta = build_meta(cur, self.block_size, self.device, block_q=self.model.block_q)
             hidden = self.model.forward(x, layers, meta, self.kv)  # steps > 1: layers are all layers
             if samp:
                 logits = self.model.logits(hidden, meta.sample_rows)

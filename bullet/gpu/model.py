@@ -21,6 +21,7 @@ from .kernels.activation import silu_mul
 from .kernels.decode_attention import launch_defaults
 from .kernels.gemv import RopeStore, gemv
 from .kernels.norm import rms_norm
+from .kernels.prefill_attention import block_q
 from .kernels.rope import rope_and_store
 from .kvcache import PagedKvCache
 from .weights import check_weights
@@ -95,9 +96,18 @@ class Model:
         self.scale = spec.head_dim ** -0.5
         self.decode_config: dict = {}  # launch options of the paged decode kernel (bench-tuned; override all)
         self.num_sms: int | None = None  # SMs of the partition launches go to now (None: whole GPU; see on_sms)
-        self.prefill_config: dict = {}  # SDPA options of the prefill path (bench-tuned)
+        # options of the prefill attention: {"sdpa": True} for SDPA per sequence, "tiles" for the one-call kernel
+        self.prefill_config: dict = {}
         # one-token forwards: the fused GEMV path with these options (``kernels.gemv``); None: cuBLAS
         self.gemv_config: dict | None = None
+
+    @property
+    def block_q(self) -> int | None:
+        """New tokens per tile of the one-call prefill attention, for ``build_meta`` (None: SDPA per sequence,
+        where ``prefill_config["sdpa"]``)."""
+        if self.prefill_config.get("sdpa"):
+            return None
+        return block_q(self.spec.heads_per_gpu // self.spec.kv_heads_per_gpu)
 
     @contextmanager
     def on_sms(self, num_sms: int | None):

@@ -1,0 +1,197 @@
+"""Host time per launch of the GpuExecutor (issue 12): for each launch kind and request count, the host
+seconds spent inside ``launch()``, the GPU seconds between the launch's own events, and where the host time
+goes (cProfile of one launch, top functions by own time). Then the host cost of single operations the
+eager forward is made of (median of many calls, no sync between them).
+
+    python3 bench/host_overhead.py [--counts 1 8 64] [--kinds prefill prefix mixed decode] [--reps 5]
+    python3 bench/host_overhead.py --device cpu --model tiny-llama --counts 1 4 --reps 2
+
+Kinds: ``prefill`` n fresh prompts (``--prompt`` tokens each, at most ``--max-tokens`` in all);
+``prefix`` n chunks of ``--prompt`` tokens over a cached context of ``--context`` tokens; ``mixed`` n
+one-token decode rows (context ``--context``) plus one fresh prompt; ``decode`` n decode rows, eager
+(graphs off) and through the decode graphs. ``--attention sdpa``: the SDPA-per-sequence prefill path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bullet.batch import Batch, Chunk, Partition
+from bullet.config import GPUS, resolve_model
+from bullet.kvcache import BlockManager
+
+
+def make_chunks(kind: str, n: int, kv: BlockManager, next_id, prompt: int, context: int, max_tokens: int):
+    chunks = []
+    if kind == "prefill":
+        p = max(1, min(prompt, max_tokens // n))
+        for _ in range(n):
+            rid = next_id()
+            chunks.append(Chunk(rid, 0, p, kv.allocate(rid, p), True))
+    elif kind == "prefix":
+        p = max(1, min(prompt, max_tokens // n))
+        for _ in range(n):
+            rid = next_id()
+            chunks.append(Chunk(rid, context, p, kv.allocate(rid, context + p), True, tuple(range(p))))
+    elif kind in ("mixed", "decode", "decode-graph"):
+        for _ in range(n):
+            rid = next_id()
+            chunks.append(Chunk(rid, context, 1, kv.allocate(rid, context + 1), True, (1,)))
+        if kind == "mixed":
+            rid = next_id()
+            chunks.append(Chunk(rid, 0, prompt, kv.allocate(rid, prompt), True))
+    else:
+        raise ValueError(kind)
+    return chunks
+
+
+def one(ex, kv, batch: Batch, profile: bool = False):
+    prof = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    ex.launch(batch)
+    if prof:
+        prof.disable()
+    host = time.perf_counter() - t
+    (res,) = ex.wait(None)
+    for c in batch.chunks:
+        ex.release(c.req_id)
+        kv.free(c.req_id)
+    return host, res.end - res.start, prof
+
+
+def top(prof, k: int) -> str:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(k)
+    lines = [ln for ln in s.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()]
+    return "\n".join("    " + ln for ln in lines[:k])
+
+
+def op_costs(ex, device: str, reps: int = 200) -> list[tuple[str, float]]:
+    """Median host microseconds of single calls the eager forward makes (no sync in between)."""
+    import torch
+    import torch.nn.functional as F
+
+    from bullet.gpu.attention import _prefill_one
+    from bullet.gpu.kernels.activation import silu_mul
+    from bullet.gpu.kernels.norm import rms_norm
+    from bullet.gpu.kernels.rope import rope_and_store
+
+    spec, m = ex.spec, ex.model
+    H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+    T = 64
+    x = torch.randn(T, spec.hidden_size, device=device, dtype=ex.dtype)
+    layer = m.layers[0]
+    qkv = F.linear(x, layer.wqkv)
+    pos = torch.arange(T, device=device, dtype=torch.int32)
+    slots = torch.arange(T, device=device, dtype=torch.int32)
+    kc, vc = ex.kv.layer(0)
+    q, k, v = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D), \
+        qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    gu = F.linear(x, layer.w_gate_up)
+    ops = {
+        "empty [T,H]": lambda: torch.empty_like(x),
+        "F.linear qkv": lambda: F.linear(x, layer.wqkv),
+        "addmm_ o": lambda: x.clone().addmm_(q.reshape(T, H * D), layer.wo.t()),
+        "rms_norm (Triton)": lambda: rms_norm(x, layer.ln1, 1e-5),
+        "silu_mul (Triton)": lambda: silu_mul(gu),
+        "rope_and_store (Triton)": lambda: rope_and_store(qkv, pos, m.cos_sin, kc, vc, slots, H, KVH, D,
+                                                          None, None, 1e-5),
+        "SDPA causal one seq": lambda: _prefill_one(q, k, v, None, m.scale, {}),
+    }
+    out = []
+    for name, fn in ops.items():
+        for _ in range(10):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out.append((name, statistics.median(ts) * 1e6))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kinds", nargs="+", default=["prefill", "prefix", "mixed", "decode", "decode-graph"])
+    ap.add_argument("--counts", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--attention", choices=["tiles", "sdpa"], default="tiles",
+                    help="prefill attention: the one-call kernel over the pool, or SDPA per sequence")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="capture prefill graphs (every token bucket, all layers, greedy) for the whole GPU first")
+    ap.add_argument("--profile-top", type=int, default=12, help="functions listed per profiled launch (0: none)")
+    args = ap.parse_args()
+
+    from bullet.gpu.executor import GpuExecutor
+
+    spec, gpu = resolve_model(args.model), GPUS["h200"]
+    cuda = args.device == "cuda"
+    ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.8)
+    if args.attention == "sdpa":
+        ex.model.prefill_config = {"sdpa": True}
+    if cuda:
+        ex.warmup(args.max_tokens)
+    kv = BlockManager(ex.kv.num_blocks, ex.kv.block_size)
+    if args.prefill_graphs:
+        import torch
+
+        free0 = torch.cuda.mem_get_info()[0] if cuda else 0
+        t = time.perf_counter()
+        n = ex.capture_prefill("all", gpu.num_sms if cuda else 1)
+        free1 = torch.cuda.mem_get_info()[0] if cuda else 0
+        print(f"captured {n} prefill graphs (buckets {ex.prefill_graphs['all'].buckets}) in "
+              f"{time.perf_counter() - t:.1f} s, {(free0 - free1) / 2**20:.0f} MiB")
+    part = Partition("all", gpu.num_sms if cuda else 1)
+    counter = iter(range(1, 10**9))
+    rows, profiles = [], []
+    for kind in args.kinds:
+        ex.use_graphs = cuda and (kind == "decode-graph" or args.prefill_graphs)
+        for n in args.counts:
+            hosts, gpus = [], []
+            for rep in range(args.reps + 1):  # the first is warm-up
+                chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context, args.max_tokens)
+                batch = Batch(part, range(spec.num_layers), tuple(chunks))
+                prof = args.profile_top and rep == args.reps and n == args.counts[len(args.counts) // 2]
+                h, g, p = one(ex, kv, batch, bool(prof))
+                if rep:
+                    hosts.append(h)
+                    gpus.append(g)
+                if p:
+                    profiles.append((kind, n, p))
+            tokens = sum(c.num_tokens for c in chunks)
+            rows.append((kind, n, tokens, statistics.median(hosts) * 1e3, statistics.median(gpus) * 1e3))
+    print("| kind | requests | tokens | host ms in launch() | GPU ms (events) | host / GPU |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, n, tok, h, g in rows:
+        print(f"| {kind} | {n} | {tok} | {h:.2f} | {g:.2f} | {h / g:.2f} |")
+    for kind, n, p in profiles:
+        print(f"\ncProfile of one {kind} launch with {n} requests (own time, top {args.profile_top}):")
+        print(top(p, args.profile_top))
+    print("\n| single call | host us (median) |")
+    print("|---|---:|")
+    for name, us in op_costs(ex, args.device):
+        print(f"| {name} | {us:.1f} |")
+    ex.close()
+
+
+if __name__ == "__main__":
+    main()
