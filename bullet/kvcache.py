@@ -211,8 +211,14 @@ class BlockManager:
     def grow(self, wants: list[tuple[int, int]]) -> None:
         """``allocate`` for many existing tables at once (the fused-decode hot path); all or nothing."""
         bs, tables, free = self.block_size, self.tables, self._free
-        needs = [(tables[rid], -(-tokens // bs) - len(tables[rid])) for rid, tokens in wants]
-        total = sum(n for _, n in needs)
+        needs = []
+        total = 0
+        for rid, tokens in wants:
+            table = tables[rid]
+            n = -(-tokens // bs) - len(table)
+            if n > 0:
+                needs.append((table, n))
+                total += n
         if total > len(free):
             if total > self.num_free:
                 raise KvCacheError(f"{len(wants)} requests need {total} blocks, {self.num_free} free")
@@ -220,7 +226,7 @@ class BlockManager:
         for table, n in needs:
             if n == 1:
                 table.append(free.pop())
-            elif n > 0:
+            else:
                 self._take(table, n)
 
     def free(self, req_id: int) -> int:

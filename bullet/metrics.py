@@ -16,6 +16,7 @@ import json
 import math
 import os
 import secrets
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, pairwise
 from pathlib import Path
@@ -70,6 +71,76 @@ def inter_token_latencies(reqs: Sequence[Request]) -> np.ndarray:
     return gaps[keep]
 
 
+class TokenGaps:
+    """The pooled inter-token latencies of a run kept without per-token lists: each distinct gap of a launch
+    once, with how many requests had it. A fused launch's steps end at the same times for every request in
+    it, so its gaps between steps are stored once per launch (with the count of its requests), and the gaps
+    from each request's previous token to the launch's first step once per distinct previous-token time.
+    Memory grows with launches and steps, not with output tokens; :meth:`stats` gives the same percentiles as
+    :func:`inter_token_latencies` over the per-token lists (and the mean to rounding: a different order of
+    summation)."""
+
+    def __init__(self) -> None:
+        self.values = array("d")  # single gaps
+        self.counts = array("q")
+        self.steps: list[tuple[np.ndarray, int]] = []  # (a launch's step ends, requests that had every step)
+
+    def add(self, gap: float, count: int) -> None:
+        self.values.append(gap)
+        self.counts.append(count)
+
+    def add_steps(self, ends: np.ndarray, count: int) -> None:
+        """The gaps between consecutive ``ends``, ``count`` times each."""
+        self.steps.append((ends, count))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(gaps, counts)."""
+        lens = np.fromiter((len(e) for e, _ in self.steps), np.int64, len(self.steps))
+        ends = np.concatenate([np.asarray(e, float) for e, _ in self.steps]) if self.steps else np.zeros(0)
+        keep = np.ones(max(ends.size - 1, 0), bool)
+        keep[np.cumsum(lens)[:-1] - 1] = False  # from one launch's last step to the next launch's first
+        counts = np.repeat(np.fromiter((n for _, n in self.steps), np.int64, len(self.steps)), lens - 1)
+        return (np.concatenate((np.frombuffer(self.values, float), np.diff(ends)[keep])),
+                np.concatenate((np.frombuffer(self.counts, np.int64), counts)))
+
+    def stats(self, percentiles: Sequence[float] = PERCENTILES) -> dict[str, float]:
+        """Mean and percentiles, as :func:`_stats` gives them over every gap one by one."""
+        values, counts = self.arrays()
+        return weighted_stats(values, counts, percentiles)
+
+
+def weighted_stats(values: np.ndarray, counts: np.ndarray, percentiles: Sequence[float] = PERCENTILES
+                   ) -> dict[str, float]:
+    """:func:`_stats` of ``np.repeat(values, counts)`` without building it: numpy's default ('linear')
+    percentile -- virtual index ``(n - 1) * q`` over the sorted values, interpolated between its two
+    neighbours as ``numpy.lib``'s ``_lerp`` does -- so equal to the last bit (tests compare the two); the mean
+    as ``sum(value * count) / n``."""
+    keep = ~np.isnan(values) & (counts > 0)
+    values, counts = values[keep], counts[keep]
+    n = int(counts.sum())
+    if not n:
+        return {"mean": float("nan"), **{percentile_key(p): float("nan") for p in percentiles}}
+    order = np.argsort(values, kind="stable")
+    values, ends = values[order], np.cumsum(counts[order])  # values[i] fills sorted positions < ends[i]
+
+    def at(i: int) -> float:
+        return float(values[np.searchsorted(ends, i, side="right")])
+
+    out = {"mean": float(np.dot(values, counts[order]) / n)}
+    for p in percentiles:
+        q = float(np.true_divide(p, 100))
+        vi = (n - 1) * q
+        lo = math.floor(vi)
+        if vi >= n - 1:
+            out[percentile_key(p)] = at(n - 1)
+            continue
+        lo = max(lo, 0)
+        a, b, g = at(lo), at(lo + 1), vi - lo
+        d = b - a
+        out[percentile_key(p)] = b - d * (1 - g) if g >= 0.5 else a + d * g
+    return out
+
+
 def percentile_key(p: float) -> str:
     """The summary's key of a percentile: 99 -> 'p99', 99.9 -> 'p99.9'."""
     return f"p{p:g}"
@@ -84,9 +155,11 @@ def _stats(x: np.ndarray, percentiles: Sequence[float] = PERCENTILES) -> dict[st
 
 
 def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, float] | None = None,
-              cols: dict[str, np.ndarray] | None = None, percentiles: Sequence[float] = PERCENTILES) -> dict:
+              cols: dict[str, np.ndarray] | None = None, percentiles: Sequence[float] = PERCENTILES,
+              gaps: TokenGaps | None = None) -> dict:
     """The run's summary; latencies in milliseconds (mean and ``percentiles``), throughputs per second of the
-    run (first arrival to last completion), busy time per lane in seconds and as a fraction of the run."""
+    run (first arrival to last completion), busy time per lane in seconds and as a fraction of the run.
+    ``gaps``: the run's inter-token gaps where the requests kept no per-token times."""
     cols = cols if cols is not None else request_columns(reqs, slo)
     n = len(cols["id"])
     rejected = [r for r in reqs if r.error is not None]
@@ -118,7 +191,8 @@ def summarize(reqs: Sequence[Request], slo: SloConfig, lane_busy: dict[str, floa
     }
     for name in ("ttft", "tpot", "e2e"):
         summary[f"{name}_ms"] = {k: v * 1e3 for k, v in _stats(cols[name], percentiles).items()}
-    summary["itl_ms"] = {k: v * 1e3 for k, v in _stats(inter_token_latencies(reqs), percentiles).items()}
+    itl = gaps.stats(percentiles) if gaps is not None else _stats(inter_token_latencies(reqs), percentiles)
+    summary["itl_ms"] = {k: v * 1e3 for k, v in itl.items()}
     if lane_busy is not None:
         summary["lane_busy_s"] = dict(lane_busy)
         summary["lane_busy_frac"] = {k: v / duration for k, v in lane_busy.items()}

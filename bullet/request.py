@@ -25,7 +25,10 @@ class Request:
     """One request. Phase is implied: the next forward pass covers positions ``[num_computed, known)``
     where ``known = prompt_len + num_output``; it samples a token when it reaches ``known``.
 
-    ``token_times`` holds the completion time of each output token. ``hash_ids`` names the prompt's blocks
+    ``token_times`` holds the completion time of each output token when the scheduler keeps them
+    (``Scheduler.keep_token_times``: live serving and tests do; a simulation does only when asked, so that
+    its memory does not grow with output tokens); ``first_token_time`` and ``last_token_time`` are always
+    kept. ``hash_ids`` names the prompt's blocks
     of ``hash_block`` tokens as a trace gives them (Mooncake): two requests whose leading ids agree share that
     prefix; the prefix cache keys blocks by these when ``prompt_ids`` is absent."""
 
@@ -42,6 +45,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when first admitted

@@ -146,12 +146,15 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              cache: CacheConfig | None = None, slo: SloConfig | None = None,
              latency: LatencyModel | None = None,
              on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
-             percentiles: Sequence[float] = PERCENTILES) -> SimulationResult:
+             percentiles: Sequence[float] = PERCENTILES, token_times: bool = False) -> SimulationResult:
     """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
     (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
     returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
     that many requests in the server at once (:class:`ClientGate`). ``percentiles``: those the summary
-    reports besides the mean. The summary records the configuration (scheduler, cache, SLOs, model, GPU,
+    reports besides the mean. ``token_times``: keep every output token's time on its request
+    (``Request.token_times``); without it only the first and last are kept and the summary's inter-token
+    latencies come from the pooled gaps (:class:`~bullet.metrics.TokenGaps`), so memory does not grow with
+    output tokens. The summary records the configuration (scheduler, cache, SLOs, model, GPU,
     latency model, bullet version)."""
     t0 = time.perf_counter()
     requests = fresh_copies(requests)
@@ -160,6 +163,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     latency = CachedLatency(base)
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency, slo=slo)
+    scheduler.keep_token_times(token_times)
     timeline = Timeline(lambda: (len(scheduler.waiting), len(scheduler.running), kv.num_blocks - kv.num_free),
                         kv.num_blocks)
     front = scheduler if max_concurrency is None else ClientGate(scheduler, max_concurrency)
@@ -172,7 +176,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
         if gc_was_on:
             gc.enable()
     cols = request_columns(done, slo)
-    summary = summarize(done, slo, timeline.busy, cols, percentiles)
+    summary = summarize(done, slo, timeline.busy, cols, percentiles, scheduler.gaps)
     summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, latency_model=latency_name(base),
                    kv_blocks=kv.num_blocks, block_size=kv.block_size, launches=len(timeline.rows),
                    prefix_caching=kv.prefix_caching, prefix_cache_hit_tokens=scheduler.hit_tokens,

@@ -10,12 +10,14 @@ import pytest
 from bullet.config import SloConfig
 from bullet.metrics import (
     Timeline,
+    TokenGaps,
     atomic_write,
     export_columns,
     inter_token_latencies,
     json_safe,
     request_columns,
     summarize,
+    weighted_stats,
     write_json,
 )
 from bullet.request import Request
@@ -55,6 +57,47 @@ def test_hand_computed():
     assert s["itl_ms"]["mean"] == pytest.approx(175)
     assert s["e2e_ms"]["p99"] == pytest.approx(np.percentile([1100, 1000, 200], 99))
     assert s["lane_busy_frac"]["all"] == pytest.approx(0.5)
+
+
+def test_token_gaps_hand_computed():
+    """Per-token lists: a at 0.5 | 0.6 0.8 1.1 (one fused launch), b and c decode together at 1.0 | 1.2 1.5 1.9
+    (b's previous token at 0.9, c's at 0.95), d a lone token. Gaps: a .1 .2 .3, b .3 .3 .4, c .25 .3 .4. The
+    pooled form stores each launch's step gaps once with the count of its requests."""
+    a = finished(0, 0.0, 10, [0.5, 0.6, 0.8, 1.1])
+    b = finished(1, 0.0, 10, [0.9, 1.2, 1.5, 1.9])
+    c = finished(2, 0.0, 10, [0.95, 1.2, 1.5, 1.9])
+    d = finished(3, 0.0, 10, [3.0])
+    gaps = TokenGaps()
+    gaps.add(0.6 - 0.5, 1)  # a's first step after its first token
+    gaps.add_steps(np.array([0.6, 0.8, 1.1]), 1)
+    gaps.add(1.2 - 0.9, 1)  # b and c: gaps from their previous tokens to the launch's first step
+    gaps.add(1.2 - 0.95, 1)
+    gaps.add_steps(np.array([1.2, 1.5, 1.9]), 2)  # then .3 and .4, twice each
+    values, counts = gaps.arrays()
+    pooled = np.sort(np.repeat(values, counts))
+    np.testing.assert_array_equal(pooled, np.sort(inter_token_latencies([a, b, c, d])))
+    np.testing.assert_allclose(pooled, [0.1, 0.2, 0.25, 0.3, 0.3, 0.3, 0.3, 0.4, 0.4])
+    slo = SloConfig(ttft=1.0, tpot=1.0)
+    light = summarize([a, b, c, d], slo, gaps=gaps)["itl_ms"]
+    full = summarize([a, b, c, d], slo)["itl_ms"]
+    assert light["p50"] == full["p50"] == pytest.approx(300)
+    assert light["p90"] == full["p90"] and light["p99"] == full["p99"]
+    assert light["mean"] == pytest.approx(full["mean"], rel=1e-12) and full["mean"] == pytest.approx(2550 / 9)
+
+
+def test_weighted_stats_are_numpys_percentiles_to_the_bit():
+    rng = np.random.default_rng(0)
+    ps = (0, 12.5, 50, 90, 99, 99.9, 100)
+    for _ in range(300):
+        k = int(rng.integers(1, 40))
+        values, counts = rng.random(k) * 0.05, rng.integers(1, 20, k)
+        full = np.repeat(values, counts)
+        rng.shuffle(full)
+        want = np.percentile(full, ps)
+        got = weighted_stats(values, counts, ps)
+        assert [got[f"p{p:g}"] for p in ps] == want.tolist()
+        assert got["mean"] == pytest.approx(full.mean(), rel=1e-12)
+    assert np.isnan(weighted_stats(np.zeros(0), np.zeros(0, np.int64))["p50"])
 
 
 def test_per_token_ttft_slo():

@@ -31,9 +31,9 @@ def test_inputs_untouched_and_reruns_identical(policy):
     reqs = requests()
     before = snapshot(reqs)
     cfg = SchedulerConfig(policy=policy)
-    first = simulate(reqs, MODEL, GPU, cfg)
+    first = simulate(reqs, MODEL, GPU, cfg, token_times=True)
     assert snapshot(reqs) == before  # not one field of one input changed
-    second = simulate(reqs, MODEL, GPU, cfg)
+    second = simulate(reqs, MODEL, GPU, cfg, token_times=True)
     assert snapshot(reqs) == before
     for k in ("ttft", "tpot", "e2e", "output_tokens"):
         np.testing.assert_array_equal(first.columns[k], second.columns[k])
@@ -89,3 +89,24 @@ def test_max_concurrency_bounds_requests_in_the_server(limit):
     assert len(res.requests) == len(reqs)
     assert max(row[9] + row[10] for row in res.timeline.rows) <= limit  # waiting + running
     assert {r.id: r.num_output for r in res.requests} == {r.id: r.max_new_tokens for r in reqs}
+
+
+@pytest.mark.parametrize("policy", ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"])
+def test_without_token_times_the_metrics_are_the_same(policy):
+    """Without per-token times (the default) a request keeps its first and last token times and the run its
+    pooled gaps: every column and the summary as with the per-token lists (the ITL mean to rounding)."""
+    reqs = requests()
+    cfg = SchedulerConfig(policy=policy)
+    full = simulate(reqs, MODEL, GPU, cfg, token_times=True)
+    light = simulate(reqs, MODEL, GPU, cfg)
+    assert all(r.token_times == [] for r in light.requests)
+    assert all(r.last_token_time == r.finish_time == r.token_times[-1] for r in full.requests)
+    for k, v in full.columns.items():
+        np.testing.assert_array_equal(light.columns[k], v)
+    a, b = dict(full.summary), dict(light.summary)
+    itl_a, itl_b = a.pop("itl_ms"), b.pop("itl_ms")
+    for d in (a, b):
+        d.pop("sim_wall_s")
+    assert a == b
+    assert itl_b["mean"] == pytest.approx(itl_a["mean"], rel=1e-12)
+    assert {k: v for k, v in itl_a.items() if k != "mean"} == {k: v for k, v in itl_b.items() if k != "mean"}

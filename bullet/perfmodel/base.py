@@ -101,6 +101,15 @@ def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co:
     return np.concatenate(([t0], latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)))
 
 
+def step_ends(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
+              co_sms: int = 0) -> np.ndarray:
+    """``np.cumsum(step_times(...))``: each step's end, seconds after the launch starts. Memoised by a
+    :class:`CachedLatency` (do not write into the array)."""
+    if isinstance(latency, CachedLatency):
+        return latency.step_ends(first, steps, num_sms, co, co_sms)
+    return np.cumsum(step_times(latency, first, steps, num_sms, co, co_sms))
+
+
 class CachedLatency:
     """Wraps a LatencyModel so that asking again is free: the policy sizes a fused launch with
     ``step_times(..., k_max)``, the simulator then times ``k <= k_max`` steps of the same work."""
@@ -111,6 +120,8 @@ class CachedLatency:
         self._steps = np.zeros(0)
         self._pkey: tuple | None = None
         self._pval = 0.0
+        self._ekey: tuple | None = None
+        self._ends = np.zeros(0)
 
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
         if isinstance(num_sms, np.ndarray):
@@ -126,3 +137,13 @@ class CachedLatency:
         if key != self._key or steps > len(self._steps):
             self._key, self._steps = key, self.model.decode_steps(work, steps, num_sms, co, co_sms)
         return self._steps[:steps]
+
+    def step_ends(self, first: Work, steps: int, num_sms: int, co: Work | None = None,
+                  co_sms: int = 0) -> np.ndarray:
+        """:func:`step_ends`, remembered for the last launch asked about: the policy sizes a launch with
+        ``k_max`` steps and the simulator then times its ``k <= k_max`` (a cumulative sum's first ``k``
+        entries are those of the first ``k`` steps' sum: the same numbers)."""
+        key = (first, num_sms, co, co_sms)
+        if key != self._ekey or steps > len(self._ends):
+            self._ekey, self._ends = key, np.cumsum(step_times(self, first, steps, num_sms, co, co_sms))
+        return self._ends[:steps]

@@ -260,19 +260,22 @@ class RooflineModel:
             n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
-        grow = np.arange(steps, dtype=np.float64) * work.seqs
-        kv_read = work.kv_read + grow
+        # kv_read + i * seqs: integers, exact in floats however they are computed (one arange call)
+        kv_read = np.arange(work.kv_read, work.kv_read + steps * work.seqs, work.seqs, dtype=np.float64)
         # Decode attention is nearly always memory-bound: when even the last step's compute time, at the
         # slowest per-SM rate and with a spare wave, stays below the first step's memory time, max() is
         # the memory time at every step and the compute term need not be evaluated (same numbers).
-        t_m = (self._attn_kv_bytes * kv_read + self._attn_row_bytes * work.tokens) * inv_bw
+        att = self._attn_kv_bytes * kv_read
+        att += self._attn_row_bytes * work.tokens  # in place: the same operations, fewer arrays
+        att *= inv_bw
         last_tiles = (work.attn_pairs + (steps - 1) * work.seqs) * self._attn_tiles_per_pair
         bound = (last_tiles / (n * self.bps) + 1.0) * self._attn_wave_flops * cf * self._inv_c_max
-        if steps and bound < t_m[0]:
-            att = t_m
-        else:
+        if not (steps and bound < att[0]):
+            grow = np.arange(steps, dtype=np.float64) * work.seqs
             att = self._attention(work.attn_pairs + grow, kv_read, work.tokens, n, True, cf, inv_bw)
-        return rest + work.num_layers * att
+        att *= work.num_layers
+        att += rest
+        return att
 
     # ------------------------------------------------------------------ extras
     def gemm_time(self, m: int, n: int, k: int, num_sms, co: Work | None = None, co_sms=0):

@@ -16,8 +16,9 @@ import numpy as np
 from ..batch import Batch, Chunk, Lane, Partition, StepResult
 from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
+from ..metrics import TokenGaps
 from ..perfmodel import LatencyModel, Work
-from ..perfmodel.base import step_times
+from ..perfmodel.base import step_ends
 from ..request import Request
 
 
@@ -52,6 +53,15 @@ class Scheduler:
         self._new_hits = 0  # hits admitted since the last launch (reported on that launch)
         self._hit_memo: tuple[Request, int, list[int]] | None = None
         self.rejected: list[Request] = []  # turned away by admission control; serve() collects them
+        # Every output token's time on its request (Request.token_times), or (None) only the pooled
+        # inter-token gaps here: memory that does not grow with output tokens (set_token_times).
+        self.gaps: TokenGaps | None = None
+        self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
+
+    def keep_token_times(self, keep: bool) -> None:
+        """Record each output token's time on its request (the default; streaming needs it), or, with
+        False, only first and last token times and the pooled gaps in ``self.gaps``. Before the first add."""
+        self.gaps = None if keep else TokenGaps()
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -63,6 +73,8 @@ class Scheduler:
         if need > self.kv.num_blocks:
             raise SchedulingError(f"request {req.id} needs {total} tokens of KV ({need} blocks) but the whole "
                                   f"cache holds {self.kv.num_blocks} blocks")
+        if req.prompt_ids is not None or req.hash_ids is not None:
+            self.keyed = True
         self.waiting.append(req)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
@@ -250,36 +262,30 @@ class Scheduler:
                horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:
         """Launch ``chunks`` (their KV held; every one samples) and then as many decode steps of all of
         them as end before ``horizon`` and the first completion, and fit the KV pool and
-        ``max_decode_steps``. The hot path of a simulation: plain Python over the (usually few) requests
-        beats numpy here."""
+        ``max_decode_steps``. The hot path of a simulation: list comprehensions and builtins over the
+        requests (no per-request statements, no small numpy calls)."""
         kv, bs = self.kv, self.kv.block_size
-        tables = kv.tables
-        extra = self.cfg.max_decode_steps - 1  # decode steps after the first
-        spare = []  # tokens that still fit in each request's blocks after the first step
-        tokens = kv_end = max_kv = 0
-        pairs = 0.0
-        for c, r in zip(chunks, reqs):
-            n, end = c.num_tokens, c.start + c.num_tokens
-            spare.append(len(tables[r.id]) * bs - end)
-            tokens += n
-            kv_end += end
-            if end > max_kv:  # noqa: PLR1730 -- as below: an if beats a max() call in this hot loop
-                max_kv = end
-            pairs += n * c.start + n * (n + 1) / 2  # as work_of() sums it
-            left = r.max_new_tokens - r.num_output - 1
-            if left < extra:  # noqa: PLR1730 -- an if beats a min() call in this per-request hot loop
-                extra = left
-        if extra > 0:
-            extra = self._kv_steps(spare, extra)
+        n = len(chunks)
+        ends = [c.start + c.num_tokens for c in chunks]  # each chunk's KV after the first step
+        # decode steps after the first: up to the first completion and max_decode_steps
+        extra = min(self.cfg.max_decode_steps, min([r.max_new_tokens - r.num_output for r in reqs])) - 1
+        if extra > 0 and n * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
+            tables = kv.tables
+            extra = self._kv_steps([len(tables[r.id]) * bs - e for r, e in zip(reqs, ends)], extra)
         if extra > 0 and horizon is not None:
-            n = len(chunks)
-            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max_kv)  # == work_of(first step)
-            cum = np.cumsum(step_times(self.latency, work, extra + 1, partition.num_sms, co, co_sms))
+            kv_end = sum(ends)
+            tokens = kv_end - sum([c.start for c in chunks])
+            if tokens == n:  # one token each: n * start + n * (n + 1) / 2 is start + 1
+                pairs = float(kv_end)
+            else:  # integers summed exactly, as work_of() sums them in floats
+                pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
+                                   for c in chunks]))
+            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends))  # == work_of()
+            cum = step_ends(self.latency, work, extra + 1, partition.num_sms, co, co_sms)
             # steps that start before the horizon run (the one crossing it included, as unfused steps do)
-            extra = min(extra, int(np.searchsorted(cum, horizon - now, side="left")))
+            extra = min(extra, int(cum.searchsorted(horizon - now)))
         if extra > 0:
-            kv.grow([(r.id, c.start + c.num_tokens + extra)
-                     for c, r, s in zip(chunks, reqs, spare) if s < extra])
+            kv.grow([(r.id, e + extra) for r, e in zip(reqs, ends)])
         else:
             extra = 0
         return self._launch(lane, Batch(partition, self.all_layers, tuple(chunks), extra + 1), reqs)
@@ -304,8 +310,6 @@ class Scheduler:
         """The most steps (<= ``steps``, >= 0) that every request can grow by within the free blocks;
         ``spare``: tokens that still fit in each request's blocks."""
         bs, free = self.kv.block_size, self.kv.num_free
-        if len(spare) * (steps // bs + 1) <= free:  # the most it could need fits: skip counting
-            return steps
 
         def need(k: int) -> int:
             return sum(-(-(k - s) // bs) for s in spare if k > s)
@@ -325,13 +329,15 @@ class Scheduler:
         if batch.layers.stop != self.model.num_layers:
             self._slice_done(batch, reqs)
             return []
+        self.busy.difference_update([r.id for r in reqs])
+        if res.tokens is None and not (self.keyed and self.kv.prefix_caching):
+            return self._counted(batch, reqs, res)
         steps = batch.steps
         tokens = res.tokens
-        self.busy.difference_update([r.id for r in reqs])
         ends = [res.end] if steps == 1 else list(res.step_ends)
-        first_end = ends[0]
         done: list[Request] = []
         caching, bs = self.kv.prefix_caching, self.kv.block_size
+        gaps = self.gaps
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             r.num_computed = c.start + c.num_tokens + steps - 1
             keyed = (caching and r.num_computed // bs != c.start // bs  # a block filled up: cache it
@@ -354,16 +360,57 @@ class Scheduler:
                 r.output_ids.extend(new)
             if keyed:
                 self.kv.commit(r, r.num_computed)
-            if n_new == steps:
-                r.token_times.extend(ends)
+            mine = ends if n_new == steps else ends[:n_new]
+            if gaps is None:
+                r.token_times.extend(mine)
             else:
-                r.token_times.extend(ends[:n_new])
+                if r.last_token_time is not None:
+                    gaps.add(mine[0] - r.last_token_time, 1)
+                if n_new > 1:
+                    gaps.add_steps(np.asarray(mine), 1)
             if r.first_token_time is None:
-                r.first_token_time = first_end
+                r.first_token_time = mine[0]
+            r.last_token_time = mine[-1]
             r.num_output += n_new
             if eos or r.num_output >= r.max_new_tokens:
-                self._finish(r, ends[n_new - 1])
+                self._finish(r, mine[-1])
                 done.append(r)
+        return done
+
+    def _counted(self, batch: Batch, reqs: list[Request], res: StepResult) -> list[Request]:
+        """``on_result`` where tokens are counted, not stored, and no block can enter the prefix cache (the
+        simulator on a trace without prompt hashes): the same updates, in one tight pass over the launch."""
+        steps = batch.steps
+        more = steps - 1
+        first_end, end = (res.end, res.end) if steps == 1 else (float(res.step_ends[0]), res.end)
+        gaps, partial = self.gaps, self.partial
+        times = None if gaps is not None else [res.end] if steps == 1 else list(res.step_ends)
+        prev: dict[float, int] = {}  # previous-token time -> requests: their gap to this launch's first step
+        done: list[Request] = []
+        for c, r in zip(batch.chunks, reqs):
+            r.num_computed = c.start + c.num_tokens + more
+            if not c.sample:
+                partial[r.id] = r
+                continue
+            if partial:
+                partial.pop(r.id, None)
+            last = r.last_token_time
+            if last is None:
+                r.first_token_time = first_end
+            elif gaps is not None:
+                prev[last] = prev.get(last, 0) + 1
+            if times is not None:
+                r.token_times.extend(times)
+            r.last_token_time = end
+            r.num_output += steps
+            if r.num_output >= r.max_new_tokens:
+                self._finish(r, end)
+                done.append(r)
+        if gaps is not None:
+            for last, n in prev.items():
+                gaps.add(first_end - last, n)
+            if more:
+                gaps.add_steps(res.step_ends, len(batch.chunks))
         return done
 
     def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
