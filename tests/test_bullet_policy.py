@@ -60,6 +60,27 @@ def test_step_budget_by_hand():
     assert make(SloConfig(tpot=None))[0].step_budget(reqs, 0.8) == math.inf
 
 
+def test_step_loan_by_hand():
+    """A request ahead of 95 % of its target lends its next step what its other steps would save at that pace,
+    at most 1.3 targets and never less than its step budget; the tightest loan wins; none while 3/4 of the
+    seats are taken."""
+    sched, _ = make(SloConfig(tpot=0.1), max_num_seqs=8)
+    # 11 tokens, 5 out at 0.5 s: a = 0.5 s for 5 steps. Loan 0.5 - 4 * 0.095 = 0.12 s (budget 0.1)
+    assert sched.step_loan([decoding(0, 6, 0.0, 11, 105)], 0.5) == pytest.approx(0.12)
+    # at 0.25 s: a = 0.75, 0.75 - 0.38 = 0.37 capped at 0.13, below the budget 0.15: the budget
+    assert sched.step_loan([decoding(0, 6, 0.0, 11, 105)], 0.25) == pytest.approx(0.15)
+    # 0.3 s behind (a = 0.2): 0.2 - 0.38 < 0.04, the budget: a late request lends nothing
+    assert sched.step_loan([decoding(0, 6, 0.0, 11, 105)], 0.8) == pytest.approx(0.04)
+    # 101 tokens, the first at -0.2 s and 2 out at 0.5 s (a = 0.1 * 100 - 0.7 = 9.3 for 99 steps, behind the
+    # 95 % pace): 9.3 - 98 * 0.095 = -0.01, so its budget 9.3 / 99; next to request 0 (0.12) the tightest
+    reqs = [decoding(0, 6, 0.0, 11, 105), decoding(2, 2, -0.2, 101, 101)]
+    assert sched.step_loan(reqs, 0.5) == pytest.approx(9.3 / 99)
+    # 6 of 8 seats taken: no loans, the even pace
+    sched.running.extend(decoding(10 + i, 1, 0.0, 11, 101) for i in range(6))
+    assert sched.step_loan([decoding(0, 6, 0.0, 11, 105)], 0.5) == pytest.approx(0.1)
+    assert make(SloConfig(tpot=None))[0].step_loan(reqs, 0.8) == math.inf
+
+
 def test_decode_size_is_the_smallest_that_keeps_tpot():
     """LinearLatency: a step of n rows reading kv tokens takes (2e-3 + 1e-5 n + 1e-7 kv) * 132 / d seconds,
     times ``contention`` next to a co-runner. 40 rows with 1000 tokens each: 6.4 ms * 132 / d."""
@@ -68,8 +89,9 @@ def test_decode_size_is_the_smallest_that_keeps_tpot():
     reqs = [decoding(i, 2, 0.0, 100, 999) for i in range(40)]  # each reads 1000 tokens next step
     step132 = 2e-3 + 1e-5 * 40 + 1e-7 * 40_000
     co = Work(8, 4096, 1, 4096 * 4097 / 2, 4096, 0, True, 4096)
-    budget = (0.05 * 99 - 0.01) / 98 * 0.9  # at now = 0.01: each had one step's time already
-    want = min(d for d in GPU.decode_sizes[:-1] if step132 * 132 / d * 1.25 <= budget)  # 24 by hand
+    # at now = 0.01 (each had one step's time already) the loan is min(1.3 * 50 ms, 4.94 - 97 * 47.5 ms) = 65 ms
+    budget = 0.065 * 0.9
+    want = min(d for d in GPU.decode_sizes[:-1] if step132 * 132 / d * 1.25 <= budget)  # 24 by hand (d >= 18.05)
     assert want == 24
     assert sched._decode_need(sched._view(reqs, 0.01), co) == want
     # a tighter TPOT needs more SMs; one nobody can meet gets the largest decode size
@@ -78,7 +100,9 @@ def test_decode_size_is_the_smallest_that_keeps_tpot():
         s = make(lat=lat, **kw)[0]
         return s._decode_need(s._view(reqs, 0.01), co)
 
-    assert need(slo=SloConfig(tpot=0.03)) == 40
+    # tpot 30 ms: even pace (0.03 * 99 - 0.01) / 98 = 30.2 ms; the loan min(1.3 * 30, 2.96 - 97 * 0.95 * 0.03)
+    # = 39 ms; with the margin 35.1 ms, and 1.056 / d * ... <= 35.1 ms needs d >= 30.1: 32 (40 at the even pace)
+    assert need(slo=SloConfig(tpot=0.03)) == 32
     assert need(slo=SloConfig(tpot=0.001)) == 112
     assert need(slo=SloConfig(tpot=0.05), decode_sizes=(16, 56)) == 56  # decode_sizes restricts the menu
     # the work of the step: 40 rows reading 1000 tokens each, the longest 1000

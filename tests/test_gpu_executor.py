@@ -384,12 +384,15 @@ class SimTimed:
         return [dataclasses.replace(r, tokens=self.tokens.pop(r.batch.lane)) for r in self.sim.wait(until)]
 
 
-def test_bullet_parity_simulator_and_real_executor(weights):
+def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch):
     """The bullet policy through serve() with the simulator, and with the real executor's CPU path on a fake
     clock, makes the identical sequence of batches (lanes, partitions, layer slices, chunks, fused steps), and
-    the real run's outputs equal the float64 reference."""
+    the real run's outputs equal the float64 reference. TPOT loans off: with them decode's slower steps
+    outlast every 1-layer slice, and this scenario would have no fused stretch to compare."""
     from bullet.config import SloConfig
     from simulator import SimExecutor
+
+    monkeypatch.setattr("bullet.policies.bullet.BORROW_CAP", 0.0)
 
     gpu = GPUS["h200"]
     lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)

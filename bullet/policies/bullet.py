@@ -7,10 +7,15 @@ re-split at every launch of either lane:
 * **Decode gets the fewest SMs that keep every decoding request's TPOT.** A request with ``n`` of its ``T``
   tokens out, the first at ``t1``, meets its target ``tpot`` if its remaining ``T - n`` steps average at most
   ``(tpot * (T - 1) - (now - t1)) / (T - n)`` (its *step budget*: slack it built up may be spent, a deficit
-  must be made up). The decode size is the smallest on the menu whose predicted step, next to the prefill
-  on the rest of the GPU, fits the tightest budget with ``slo_margin`` to spare. A request whose budget is
-  already gone (it will miss whatever happens) does not hold SMs hostage. With nothing to prefill, decode
-  takes the whole GPU, in stretches that end at the next arrival.
+  must be made up). TPOT is a mean, so a request ahead of ``BORROW_PACE`` of its target may also lend its
+  next step what it would save if its other remaining steps ran at that pace, up to ``BORROW_CAP`` targets
+  (its *loan*; never less than its step budget): prefill gets SMs now and the request's own later steps pay
+  them back, its budget tightening as they come (``bench/RESULTS.md``: no more TPOT misses when the GPU runs
+  20 % slower than the model says). Not while seats run short (``BORROW_SEATS``): slow decode holds them.
+  The decode size is the smallest on the menu whose predicted step, next to the prefill on the rest of the
+  GPU, fits the tightest loan with ``slo_margin`` to spare. A request whose budget is already gone (it will
+  miss whatever happens) does not hold SMs hostage. With nothing to prefill, decode takes the whole GPU, in
+  stretches that end at the next arrival.
 * **When the queue is blocked** (its head cannot be admitted: seats or KV are full), decode speed is what
   frees room: decode gets its bandwidth knee (more SMs barely help) and prefill what its job's deadlines need.
 * **Prefill gets the rest**, without chunking: whole prompts, batched up to the token count where the model
@@ -39,7 +44,10 @@ from ..perfmodel.base import step_times
 from ..request import Request
 from .base import LayerSliced, SchedulingError
 
-LATE_GRACE = 4.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
+LATE_GRACE = 20.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
+BORROW_PACE = 0.95  # a loan leaves the request's other remaining steps this fraction of its TPOT target each
+BORROW_CAP = 1.3  # ... and is at most this many TPOT targets for one step
+BORROW_SEATS = 0.75  # no loans while this fraction of max_num_seqs is running (slow decode holds seats)
 EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token prefill time is this close to the best
 DEFAULT_LAYERS_PER_STEP = 8
 KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
@@ -48,7 +56,8 @@ WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends with
 
 class DecodeView(NamedTuple):
     work: Work  # the decoding requests' next step
-    budget: float  # the tightest per-step time that keeps every TPOT
+    budget: float  # the tightest per-step time that keeps every TPOT at an even pace
+    loan: float  # the tightest next-step time with slack lent (>= budget; == budget when no loans)
 
 
 class Bullet(LayerSliced):
@@ -199,15 +208,19 @@ class Bullet(LayerSliced):
         return [r for r in self.running if r.id not in skip]
 
     def _view(self, reqs, now: float) -> DecodeView:
-        """One pass over ``reqs`` that have a token out (decoding): the Work of their next step, and the
-        tightest per-step time that keeps every TPOT. Request r, with n of its T tokens
-        out and the first at t1, keeps TPOT if its T - n remaining steps average at most
-        ``(tpot * (T - 1) - (now - t1)) / (T - n)``: slack it built up may be spent, a deficit must be made
-        up. A request whose budget is already spent is left out (it misses whatever the split); inf without
-        a TPOT target."""
+        """One pass over ``reqs`` that have a token out (decoding): the Work of their next step, the
+        tightest per-step time that keeps every TPOT, and the tightest loan. Request r, with n of its T
+        tokens out and the first at t1, keeps TPOT if its T - n remaining steps average at most
+        ``b = a / (T - n)``, ``a = tpot * (T - 1) - (now - t1)``: slack it built up may be spent, a deficit
+        must be made up. Its loan is ``a - (T - n - 1) * BORROW_PACE * tpot`` (the next step may take what
+        leaves its other steps that pace), at most ``BORROW_CAP * tpot`` and at least ``b``; ``b`` while
+        ``BORROW_SEATS`` of the seats are taken. A request whose budget is already spent is left out (it
+        misses whatever the split); inf without a TPOT target."""
         tpot = self.slo.tpot
+        lend = tpot is not None and len(self.running) < BORROW_SEATS * self.cfg.max_num_seqs
+        cap, pace = (BORROW_CAP * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
         n = kv = max_kv = 0
-        best = math.inf
+        best = loan = math.inf
         for r in reqs:
             if not r.num_output:
                 continue
@@ -220,13 +233,30 @@ class Bullet(LayerSliced):
             if tpot is None or left <= 0 or r.first_token_time is None:
                 continue
             a = tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)
-            if 0 < a < best * left:
-                best = a / left
-        return DecodeView(Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv), best)
+            if a <= 0:
+                continue
+            b = a / left
+            if b < best:  # noqa: PLR1730
+                best = b
+            if lend:
+                x = a - (left - 1) * pace
+                if x > cap:  # noqa: PLR1730
+                    x = cap
+                if x < b:  # noqa: PLR1730
+                    x = b
+                if x < loan:  # noqa: PLR1730
+                    loan = x
+        if not lend:
+            loan = best
+        return DecodeView(Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv), best, loan)
 
     def step_budget(self, reqs, now: float) -> float:
         """The tightest per-step time among decoding ``reqs`` that keeps every TPOT (see :meth:`_view`)."""
         return self._view(reqs, now).budget
+
+    def step_loan(self, reqs, now: float) -> float:
+        """The tightest next-step time among decoding ``reqs`` with slack lent (see :meth:`_view`)."""
+        return self._view(reqs, now).loan
 
     def _smallest(self, sizes: list[int], fits) -> int:
         """The smallest of ascending ``sizes`` for which ``fits(size)`` holds (the largest if none does),
@@ -254,10 +284,10 @@ class Bullet(LayerSliced):
 
     def _decode_need(self, view: DecodeView, co: Work | None) -> int:
         """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits the
-        view's step budget with ``slo_margin`` to spare; the largest if none. Starts from the last answer (the
+        view's loan with ``slo_margin`` to spare; the largest if none. Starts from the last answer (the
         split moves little between decisions): two predictions when it still holds."""
         sizes = self.dec_sizes
-        budget = view.budget * (1 - self.cfg.slo_margin)
+        budget = view.loan * (1 - self.cfg.slo_margin)
         if not view.work.seqs or budget == math.inf:
             return sizes[0]
         work, predict, N = view.work, self.latency.predict, self.N
