@@ -1,6 +1,7 @@
 """Sweep speed: a 100-configuration capacity sweep (``bullet whatif``'s library) over the first 2,000 requests
 of the Azure 2023 conversation trace, Llama-3.1-8B on an H200, on local processes. Prints a table: wall time,
-simulations, and where the time goes per policy.
+runs (verdicts at a rate), simulations (runs not replayed from a unit's shared ones: see ``bullet.whatif``) and
+where the time goes per policy.
 
     python bench/sweep_speed.py [--jobs 2] [--num-requests 2000] [--rel-tol 0.02] [--policies ...]
 
@@ -60,19 +61,21 @@ def main() -> None:
     print(f"\n{len(tasks)} configurations, {args.num_requests} requests each run, bisection to "
           f"{100 * args.rel_tol:g} %, {args.jobs} processes on {os.cpu_count()} cores ({cpu_name}), load "
           f"average {load:.2f} at start\n")
-    print("| policy | configs | simulations | sims / config | task CPU s | CPU s / simulation | "
+    print("| policy | configs | runs | runs / config | simulated | task CPU s | CPU s / simulated | "
           "capacity req/s (min-max) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for policy, res in by_policy.items():
         n_sims = sum(len(r.runs) for r in res)
+        n_done = sum(r.simulated for r in res)
         cpu = sum(r.cpu_s for r in res)
         caps = [r.capacity for r in res if r.capacity is not None]
-        print(f"| {policy} | {len(res)} | {n_sims} | {n_sims / len(res):.1f} | {cpu:.0f} | "
-              f"{cpu / n_sims:.2f} | {min(caps):.2f}-{max(caps):.2f} |")
+        print(f"| {policy} | {len(res)} | {n_sims} | {n_sims / len(res):.1f} | {n_done} | {cpu:.0f} | "
+              f"{cpu / max(n_done, 1):.2f} | {min(caps):.2f}-{max(caps):.2f} |")
     cpu = sum(r.cpu_s for r in results)
     task_wall = sum(r.wall_s for r in results)
-    print(f"| **all** | {len(results)} | {sims} | {sims / len(results):.1f} | {cpu:.0f} | {cpu / sims:.2f} "
-          "| |")
+    done_all = sum(r.simulated for r in results)
+    print(f"| **all** | {len(results)} | {sims} | {sims / len(results):.1f} | {done_all} | {cpu:.0f} | "
+          f"{cpu / max(done_all, 1):.2f} | |")
     mean_cap = statistics.fmean(r.mean for r in rows if r.mean)
     print(f"\n**wall {wall:.0f} s** for {len(tasks)} configurations ({sims} simulations; mean capacity "
           f"{mean_cap:.2f} req/s; errors: {len(errors)}). The tasks used {cpu:.0f} CPU s in "

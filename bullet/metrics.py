@@ -216,7 +216,8 @@ class Timeline:
         lane = b.partition.lane
         self.busy[lane] = self.busy.get(lane, 0.0) + (res.end - res.start)
         state = self.probe() if self.probe is not None else (None, None, None)
-        self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop, b.num_tokens,
+        self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop,
+                          sum([c.num_tokens for c in b.chunks]),  # b.num_tokens, without a generator
                           len(b.chunks), res.start, res.step_ends, b.cached_tokens, *state))
 
     HEADER = ("lane", "state", "sms", "layer_start", "layer_stop", "tokens", "seqs", "cached_tokens", "start_s",

@@ -7,13 +7,20 @@ chunked appears once). For each config and each replicate (a seed of synthetic a
 trace) one :class:`Task`:
 
 - simulates the trace rescaled to each rate of the optional rate grid (exact SLO attainment per rate);
-- finds the **capacity**: the highest rate whose attainment is >= ``target``, by bracketing and bisection
-  (:func:`simulator.capacity.capacity`) to ``rel_tol``. With ``early_stop`` a simulation stops as soon as its
-  verdict is certain (enough requests met their SLOs, or too many missed); the bisection takes the same
-  steps as with full runs, and the attainment it records is then a bound, marked as such.
+- finds the **capacity**: the highest rate of the grid ``(1 + rel_tol) ** k`` req/s whose attainment is >=
+  ``target`` (:func:`simulator.capacity.grid_capacity`: stepping out from a first rate, then bisecting the
+  bracket). With attainment falling with rate the answer does not depend on where the search starts. With
+  ``early_stop`` a simulation stops as soon as its verdict is certain (enough requests met their SLOs, or
+  too many missed); the search takes the same steps as with full runs, and the attainment it records is
+  then a bound, marked as such.
 
-Tasks are independent and deterministic, so :func:`run_tasks` gives identical results serially, on a local
-process pool or on Ray. :func:`summarize` turns results into one row per config: capacity mean, spread
+Tasks run in **units** (:func:`units`): the configs of one policy and replicate that differ only in the
+policy's knobs or, for a policy that does not read its SLOs, in the SLOs. A unit runs its tasks in one
+process, one after another; each search starts from the capacity of the closest config before it (a start at
+the answer or one grid step off costs two runs), and configs that differ only in SLOs a policy ignores share
+their simulations (:class:`Shared`: the same simulation, judged per SLO set). Neither changes an answer or a
+verdict (tests/test_whatif.py compares each with the task searched alone). Tasks and units are deterministic,
+so :func:`run_tasks` gives identical results serially, on a local process pool or on Ray. :func:`summarize` turns results into one row per config: capacity mean, spread
 over replicates, output tokens/s at capacity and the cost per million output tokens.
 
 Requests are built fresh for every simulation (simulate() may change the objects it is given).
@@ -470,6 +477,7 @@ class TaskResult:
     # the task's own wall and CPU seconds (in no table: not deterministic)
     wall_s: float = field(default=0.0, compare=False)
     cpu_s: float = field(default=0.0, compare=False)
+    simulated: int = field(default=0, compare=False)  # runs it simulated (the others: its unit's, replayed)
 
 
 class _Verdict(Exception):
@@ -555,58 +563,159 @@ class Window:
                         hash_block=r.hash_block) for r, t in zip(self.base, times)]
 
 
-def run_task(task: Task) -> TaskResult:
-    """Rate grid, then capacity search, of one config on one replicate. Errors come back as ``error``."""
+def run_task(task: Task, shared: Shared | None = None, hint: float | None = None) -> TaskResult:
+    """Rate grid, then capacity search, of one config on one replicate. Errors come back as ``error``.
+    ``shared``: simulations already run for tasks of the same unit (:func:`units`); ``hint``: where the
+    capacity search starts (a neighbouring config's capacity; it changes the cost, not the answer)."""
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        res = _Search(task).run()
+        res = _Search(task, shared).run(hint)
     except (ConfigError, TraceError, RuntimeError, ValueError) as e:
         res = TaskResult(task.index, task.seed, task.window, None, (), 0.0, error=str(e))
     return replace(res, wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0)
 
 
+# Policies that plan with the SLOs (Scheduler.slo); every other policy's simulation does not depend on them.
+PLANS_WITH_SLO = ("bullet",)
+
+
+# Policy knobs: configs that differ only in these are neighbours whose capacities seed each other's search.
+KNOBS = ("max_batched_tokens", "prefill_sms", "layers_per_step", "max_num_seqs")
+
+
+def unit_key(task: Task) -> tuple:
+    """Tasks with one key run in one process, one after another (:func:`run_unit`): same replicate and same
+    config but for the policy's knobs and the SLOs. Those that differ only in the SLOs, for a policy outside
+    :data:`PLANS_WITH_SLO` (which does not read them), simulate the same things and share the simulations;
+    each search starts from a neighbour's capacity. (An SLO-aware policy's SLO sets are separate units.)"""
+    cfg = replace(task.config, **{k: None for k in KNOBS})
+    if cfg.policy not in PLANS_WITH_SLO:
+        cfg = _without_slo(cfg)
+    return cfg, task.seed, task.window, task.synthetic
+
+
+def _without_slo(cfg: Config) -> Config:
+    return replace(cfg, slo=None, slo_ttft=None, slo_tpot=None, slo_ttft_per_token=None)
+
+
+def units(tasks: Sequence[Task]) -> list[list[int]]:
+    """Task positions grouped by :func:`unit_key`, in order of first appearance: each group runs in one
+    process, its searches sharing simulations (:class:`Shared`)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tasks):
+        groups.setdefault(unit_key(t), []).append(i)
+    return list(groups.values())
+
+
+def run_unit(tasks: Sequence[Task]) -> list[TaskResult]:
+    """:func:`run_task` of each task, one :class:`Shared` for all, each search starting from the capacity
+    of the closest config before it (:func:`_nearest`): the results are those of separate runs."""
+    shared = Shared()
+    out: list[TaskResult] = []
+    for t in tasks:
+        out.append(run_task(t, shared, _nearest(t, tasks[:len(out)], out)))
+    return out
+
+
+def _nearest(task: Task, before: Sequence[Task], results: Sequence[TaskResult]) -> float | None:
+    """The finite capacity of the config before ``task`` that differs from it in the fewest settings (the
+    latest of those), or None."""
+    best, fewest = None, math.inf
+    for t, r in zip(before, results):
+        if r.capacity is None or not 0 < r.capacity < math.inf:
+            continue
+        differ = sum(getattr(t.config, f.name) != getattr(task.config, f.name) for f in fields(Config))
+        if differ <= fewest:
+            best, fewest = r.capacity, differ
+    return best
+
+
+class Shared:
+    """Simulations that tasks of one unit share. Each is kept as the requests it finished, in finishing order,
+    as far as it ran (an early stop for one task's verdict ends it), keyed by what was simulated ('rate', r)
+    or ('at once', n), after the config less its SLOs. Another task's verdict replays its judge over them: the same requests in the same order,
+    so the same verdict and bound as its own run would give; where they do not settle it, it simulates anew
+    (and keeps the longer record). A finished run's summary under another SLO comes from the same requests."""
+
+    def __init__(self) -> None:
+        self.window: Window | None = None
+        self.records: dict[tuple, tuple[list[Request], bool]] = {}  # key -> (finished requests, complete)
+
+
 PILOT_REQUESTS = 200  # requests of the pilot run whose throughput seeds the capacity search
-# Probes step from the pilot's estimate by these factors (up while the target is met, down while it is not)
-# until the verdict flips; past the last, bisection's own doubling or halving takes over.
-PILOT_STEPS = (1.1, 1.2, 1.4, 1.8, 2.6)
-BURST_FACTOR = 16  # a rate this far above the start still passing: check the whole window at once
+BURST_FACTOR = 3  # a rate this far above the start still passing: check the whole window at once
 
 
 class _Search:
-    """One task's simulations. The capacity search starts from a pilot: the window's first requests all
-    arriving at once, whose throughput (requests / makespan) estimates the capacity ``c``; probes from ``c``
-    in ever wider steps (1.1x, 1.2x, ...) up while the target is met, or down while it is not, bracket the
-    capacity (within 1.1x in two runs when the estimate is that close; bisection's own bracketing would
-    double or halve). The bisection of
-    :func:`simulator.capacity.capacity`, which assumes attainment falls with rate, then gets an answer
-    without simulating for any rate above a measured failure or below a measured success."""
+    """One task's simulations. The capacity is the highest rate of a fixed geometric grid, ``(1 + rel_tol)
+    ** k`` req/s, whose attainment meets the target, found by stepping from a first rate (1, 2, 4, ... grid
+    steps) until the verdict flips and bisecting the bracket (:func:`simulator.capacity.grid_capacity`). With
+    attainment falling with rate, where the search starts changes its cost, never its answer, so it starts
+    from a neighbouring config's capacity where its unit has one (two runs when that is the answer or one step
+    off), else from a pilot: the window's first requests all arriving at once, whose throughput (requests /
+    makespan) estimates the capacity. A rate above a measured failure or below a measured success is decided
+    without simulating."""
 
-    def __init__(self, task: Task) -> None:
+    def __init__(self, task: Task, shared: Shared | None = None) -> None:
         from simulator.run import latency_model
 
         cfg, s = task.config, task.sweep
         self.task, self.sweep = task, s
-        self.window = Window(task)
+        self.shared = shared or Shared()
+        if self.shared.window is None:
+            self.shared.window = Window(task)
+        self.window = self.shared.window
         self.model, self.gpu = resolve_model(cfg.model, cfg.tp), resolve_gpu(cfg.gpu)
         self.latency = (latency_model(s.latency, self.model, self.gpu) if isinstance(s.latency, str)
                         else s.latency)
         self.sched, self.slo = cfg.scheduler(), cfg.slo_config()
+        # what the simulations depend on: the config, less the SLOs where the policy does not read them
+        self.simulated = cfg if cfg.policy in PLANS_WITH_SLO else _without_slo(cfg)
         self.runs: list[Run] = []
         self.known: dict[float, float] = {}  # simulated rate -> attainment (exact, or a bound on its side)
-        self.start = math.inf  # where the search started (set by guess())
+        self.start = math.inf  # where the search started (set by capacity())
+        self.simulations = 0  # simulated here (not replayed from the unit's)
 
-    def simulate(self, reqs: list[Request], judge: Judge | None = None) -> dict:
+    def simulate(self, key: tuple, make: Callable[[], list[Request]], judged: bool = False) -> dict:
+        """The summary of simulating ``make()`` (or of the shared record of ``key``); ``judged``: stop, raising
+        :class:`_Verdict`, once the verdict against the target is certain."""
         from simulator.run import simulate
 
-        return simulate(reqs, self.model, self.gpu, self.sched, CacheConfig(), self.slo, self.latency,
-                        on_finish=judge).summary
+        count = len(self.window.base) if key[0] == "rate" else min(key[1], len(self.window.base))
+        judge = Judge(count, self.slo, self.sweep.target) if judged else None
+        key = (self.simulated, *key)
+        record = self.shared.records.get(key)
+        if record is not None:
+            if judge is not None:
+                for req in record[0]:
+                    judge(req)
+            if record[1]:
+                from bullet.metrics import summarize
+
+                return summarize(record[0], self.slo)
+            judge = Judge(count, self.slo, self.sweep.target) if judged else None
+        finished: list[Request] = []
+        self.simulations += 1
+
+        def on_finish(req: Request) -> None:
+            finished.append(req)
+            if judge is not None:
+                judge(req)
+
+        try:
+            summary = simulate(make(), self.model, self.gpu, self.sched, CacheConfig(), self.slo, self.latency,
+                               on_finish=on_finish).summary
+        except _Verdict:
+            if record is None or len(finished) > len(record[0]):
+                self.shared.records[key] = (finished, False)
+            raise
+        self.shared.records[key] = (finished, True)
+        return summary
 
     def measure(self, rate: float, kind: str) -> float:
-        reqs = self.window.requests(rate)
         early = kind == "search" and self.sweep.early_stop
-        judge = Judge(len(reqs), self.slo, self.sweep.target) if early else None
         try:
-            summary = self.simulate(reqs, judge)
+            summary = self.simulate(("rate", rate), lambda: self.window.requests(rate), early)
         except _Verdict as v:
             self.runs.append(Run(rate, v.bound, "lower" if v.passed else "upper", kind))
             self.known[rate] = v.bound
@@ -633,18 +742,18 @@ class _Search:
     def pilot(self) -> float | None:
         """Requests per second of makespan when the window's first requests all arrive at time 0. When
         that is the whole window, its attainment is also the attainment at an infinite rate."""
-        reqs = self.window.at_once(PILOT_REQUESTS)
-        summary = self.simulate(reqs)
+        n = min(PILOT_REQUESTS, len(self.window.base))
+        summary = self.simulate(("at once", n), lambda: self.window.at_once(n))
         self.runs.append(_exact_run(math.inf, "pilot", summary))
-        if len(reqs) == len(self.window.base):
+        if n == len(self.window.base):
             self.known[math.inf] = summary["slo_attainment"]
-        return len(reqs) / summary["duration_s"] if summary["duration_s"] > 0 else None
+        return n / summary["duration_s"] if summary["duration_s"] > 0 else None
 
     def burst(self) -> None:
         """The whole window arriving at once: if even that meets the target, so does every rate."""
-        reqs = self.window.at_once(len(self.window.base))
+        n = len(self.window.base)
         try:
-            summary = self.simulate(reqs, Judge(len(reqs), self.slo, self.sweep.target))
+            summary = self.simulate(("at once", n), lambda: self.window.at_once(n), True)
         except _Verdict as v:
             self.runs.append(Run(math.inf, v.bound, "lower" if v.passed else "upper", "burst"))
             self.known[math.inf] = v.bound
@@ -652,39 +761,55 @@ class _Search:
         self.runs.append(_exact_run(math.inf, "burst", summary))
         self.known[math.inf] = summary["slo_attainment"]
 
-    def guess(self) -> float:
-        """--guess; else the highest grid rate that met the target (the lowest grid rate if none did); else
-        the highest passing rate of the probes that step from the pilot's estimate."""
+    def first_rate(self, hint: float | None) -> float:
+        """Where the search starts: --guess; else ``hint`` (a neighbouring config's capacity); else the highest
+        rate of the --request-rate grid that met the target (the lowest if none did); else the pilot's
+        estimate. Only the cost depends on it, not the answer."""
         s = self.sweep
         if s.guess is not None:
-            self.start = s.guess
             return s.guess
+        if hint is not None:
+            return hint
         if self.known:
             passing = [r for r, a in self.known.items() if a >= s.target]
-            self.start = max(passing) if passing else min(self.known)
-            return self.start
-        rate = self.start = self.pilot() or self.window.own_rate() or 1.0
-        ok = self.attainment(rate) >= s.target
-        for step in PILOT_STEPS:  # step the same way, ever wider, until the verdict flips: a bracket
-            nxt = rate * step if ok else rate / step
-            if (self.attainment(nxt) >= s.target) != ok:
-                return rate if ok else nxt
-            rate = nxt
-        return rate
+            return max(passing) if passing else min(self.known)
+        return self.pilot() or self.window.own_rate() or 1.0
 
-    def run(self) -> TaskResult:
-        from simulator.capacity import capacity
+    def capacity(self, hint: float | None) -> float:
+        """The highest rate of the grid ``(1 + rel_tol) ** k`` whose attainment meets the target
+        (:func:`simulator.capacity.grid_capacity`); inf when every request at once meets it, 0.0 when not
+        even 1/1024 of the starting rate does."""
+        from simulator.capacity import grid_capacity, grid_index, grid_rate
 
+        s = self.sweep
+        self.start = self.first_rate(hint)
+        k0 = grid_index(self.start, s.rel_tol)
+
+        def ok(k: int) -> bool:
+            if self.known.get(math.inf, -1.0) >= s.target:
+                raise _Unbounded
+            return self.attainment(grid_rate(k, s.rel_tol)) >= s.target
+
+        try:
+            k = grid_capacity(ok, k0, k0 - math.ceil(math.log(1024) / math.log1p(s.rel_tol)))
+        except _Unbounded:
+            return math.inf
+        if self.known.get(math.inf, -1.0) >= s.target:
+            return math.inf  # every request at once meets the target: no rate is too high
+        return 0.0 if k is None else grid_rate(k, s.rel_tol)
+
+    def run(self, hint: float | None = None) -> TaskResult:
         s, task = self.sweep, self.task
         for rate in s.rates:
             self.measure(rate, "grid")
-        cap = None
-        if s.capacity:
-            cap = capacity(self.attainment, self.guess(), s.target, s.rel_tol)[0]
-            if self.known.get(math.inf, -1.0) >= s.target:
-                cap = math.inf  # every request at once meets the target: no rate is too high
+        cap = self.capacity(hint) if s.capacity else None
         mean_out = statistics.fmean(r.max_new_tokens for r in self.window.base)
-        return TaskResult(task.index, task.seed, task.window, cap, tuple(self.runs), mean_out)
+        return TaskResult(task.index, task.seed, task.window, cap, tuple(self.runs), mean_out,
+                          simulated=self.simulations)
+
+
+class _Unbounded(Exception):
+    """Every request arriving at once meets the target: the capacity search is over."""
 
 
 def _exact_run(rate: float, kind: str, summary: dict) -> Run:
@@ -702,26 +827,32 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 1, ray_address: str | None = No
         if on_done is not None:
             on_done(res)
 
+    groups = units(tasks)
+
+    def unit_done(group: list[int], res: list[TaskResult]) -> None:
+        for i, r in zip(group, res):
+            done(i, r)
+
     if ray_address is not None:
-        _run_ray(tasks, ray_address, done)
-    elif jobs <= 1 or len(tasks) <= 1:
-        for i, t in enumerate(tasks):
-            done(i, run_task(t))
+        _run_ray([[tasks[i] for i in g] for g in groups], ray_address, lambda k, res: unit_done(groups[k], res))
+    elif jobs <= 1 or len(groups) <= 1:
+        for g in groups:
+            unit_done(g, run_unit([tasks[i] for i in g]))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         # spawn: the parent may hold threads (a progress bar, torch) that a fork would copy mid-lock
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=spawn) as pool:
-            futures = {pool.submit(run_task, t): i for i, t in enumerate(tasks)}
+        with ProcessPoolExecutor(min(jobs, len(groups)), mp_context=spawn) as pool:
+            futures = {pool.submit(run_unit, [tasks[i] for i in g]): k for k, g in enumerate(groups)}
             for f in as_completed(futures):
-                done(futures[f], f.result())
+                unit_done(groups[futures[f]], f.result())
     return results  # type: ignore[return-value]
 
 
-def _run_ray(tasks: Sequence[Task], address: str, done: Callable[[int, TaskResult], None]) -> None:
-    """The same tasks as Ray tasks (not actors). ``address``: 'auto' (a running cluster), 'local' (start a
+def _run_ray(groups: Sequence[Sequence[Task]], address: str, done: Callable[[int, list[TaskResult]], None]) -> None:
+    """The same units (:func:`run_unit`) as Ray tasks (not actors). ``address``: 'auto' (a running cluster), 'local' (start a
     local runtime) or HOST:PORT / ray://HOST:PORT. Workers must be able to import bullet."""
     import ray
 
@@ -731,8 +862,8 @@ def _run_ray(tasks: Sequence[Task], address: str, done: Callable[[int, TaskResul
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        remote = ray.remote(num_cpus=1)(run_task)
-        refs = {remote.remote(t): i for i, t in enumerate(tasks)}
+        remote = ray.remote(num_cpus=1)(run_unit)
+        refs = {remote.remote(list(g)): k for k, g in enumerate(groups)}
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)

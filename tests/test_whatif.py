@@ -17,7 +17,6 @@ from bullet.config import CacheConfig, resolve_gpu, resolve_model
 from bullet.metrics import request_columns
 from bullet.traces import load_trace
 from bullet.whatif import (
-    Judge,
     Sweep,
     SweepError,
     Window,
@@ -27,10 +26,13 @@ from bullet.whatif import (
     csv_text,
     parse_sweep,
     rows_table,
+    run_task,
     run_tasks,
     runs_table,
     summarize,
+    units,
 )
+from simulator.capacity import grid_capacity, grid_index, grid_rate
 from simulator.run import simulate
 from tests.latency import LinearLatency
 
@@ -72,6 +74,79 @@ def test_capacity_of_constructed_case_is_the_knee(tmp_path, guess):
             assert (run.attainment >= 0.9) == (run.rate <= knee)
 
 
+def test_capacity_does_not_depend_on_where_the_search_starts(tmp_path):
+    """The grid answer is the same from a cold start (pilot), from below, from above and from the answer
+    itself; starting at the answer costs two search runs."""
+    caps = {}
+    for guess in (None, 5.0, 80.0, 900.0):
+        (res,) = run_tasks(constructed(tmp_path, guess=guess).tasks())
+        caps[guess] = res.capacity
+    assert len(set(caps.values())) == 1
+    (res,) = run_tasks(constructed(tmp_path, guess=caps[None]).tasks())
+    assert res.capacity == caps[None] and [r.kind for r in res.runs] == ["search", "search"]
+
+
+def test_grid_search_by_hand():
+    """ok(k) holds up to k = 37: every start finds 37; a start at 37 or 38 asks twice; nothing passing
+    above the floor gives None."""
+    def search(start: int) -> tuple[int | None, list[int]]:
+        asked: list[int] = []
+        return grid_capacity(lambda k: asked.append(k) or k <= 37, start, -400), asked
+
+    for start in range(-60, 300, 7):
+        found, asked = search(start)
+        assert found == 37 and len(asked) == len(set(asked))  # never the same point twice
+    for start in (37, 38):
+        assert sorted(search(start)[1]) == [37, 38]
+    assert grid_capacity(lambda k: False, 10, 0) is None
+    for rate in (0.37, 1.0, 19.17, 22.0):
+        k = grid_index(rate, 0.02)
+        assert grid_rate(k, 0.02) <= rate < grid_rate(k + 1, 0.02)
+
+
+def test_early_stop_decision_by_hand(tmp_path):
+    """The constructed case at rates either side of its knee: the early-stopped verdict (and its bound) is
+    the full run's decision."""
+    (task,) = constructed(tmp_path).tasks()
+    knee = 1 / SERVICE
+    window = _Search(task).window
+    for rate in (0.5 * knee, 0.99 * knee, 1.01 * knee, 1.1 * knee, 3 * knee):
+        attained = _Search(task).simulate(("rate", rate), lambda r=rate: window.requests(r))["slo_attainment"]
+        with pytest.raises(_Verdict) as verdict:
+            _Search(task).simulate(("rate", rate), lambda r=rate: window.requests(r), judged=True)
+        assert verdict.value.passed == (attained >= 0.9) == (rate <= knee)
+
+
+def test_units_share_simulations_and_change_no_answer(monkeypatch):
+    """Chunked does not read its SLOs: four SLO sets x two budgets form one unit whose searches share their
+    simulations and start from each other's answers; every capacity and every verdict equals that of the
+    task searched alone (cold start, nothing shared), in far fewer simulations."""
+    import simulator.run
+
+    sweep = parse_sweep({"trace": "sharegpt", "num_prompts": "150", "policy": "chunked",
+                         "max_num_batched_tokens": "512,2048", "slo_ttft": "800,3000", "slo_tpot": "40,100"})
+    tasks = sweep.tasks()
+    count = {"n": 0}
+    real = simulator.run.simulate
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulator.run, "simulate", counting)
+    shared = run_tasks(tasks)
+    n_shared, count["n"] = count["n"], 0
+    alone = [run_task(t) for t in tasks]
+    assert len(units(tasks)) == 1 and count["n"] > 2 * n_shared
+    assert sum(r.simulated for r in shared) == n_shared
+    for a, b in zip(shared, alone):
+        assert a.capacity == b.capacity
+        verdicts = {run.rate: (run.attainment, run.bound) for run in b.runs if run.kind == "search"}
+        for run in a.runs:  # a rate both searched: the same attainment, or the same bound
+            if run.kind == "search" and run.rate in verdicts:
+                assert (run.attainment, run.bound) == verdicts[run.rate]
+
+
 @pytest.mark.parametrize("rows", [60, 300])  # the pilot is the whole window / the window is larger
 def test_capacity_is_unbounded_when_a_burst_meets_the_slo(tmp_path, rows):
     """All requests at once: the last TTFT is rows x 12 ms, under a 10 s target: no rate is too high."""
@@ -89,12 +164,11 @@ def test_early_stop_changes_no_decision():
     sweep = Sweep(axes=(("trace", ("sharegpt",)), ("policy", ("chunked",)), ("slo_ttft", (1000.0,)),
                         ("slo_tpot", (60.0,))), num_requests=150, rel_tol=0.05)
     (task,) = sweep.tasks()
-    search = _Search(task)
+    search, judged = _Search(task), _Search(task)  # (two: each keeps what it simulated)
     for rate in (4.0, 8.0, 12.0, 16.0):
-        reqs = search.window.requests(rate)
-        full = search.simulate(reqs)["slo_attainment"]
+        full = search.simulate(("rate", rate), lambda r=rate: search.window.requests(r))["slo_attainment"]
         with pytest.raises(_Verdict) as verdict:
-            search.simulate(search.window.requests(rate), Judge(len(reqs), search.slo, 0.9))
+            judged.simulate(("rate", rate), lambda r=rate: judged.window.requests(r), judged=True)
         assert verdict.value.passed == (full >= 0.9)
         assert (verdict.value.bound >= 0.9) == (full >= 0.9)
         assert verdict.value.bound <= full if verdict.value.passed else verdict.value.bound >= full

@@ -8,7 +8,7 @@ come back (``on_result``), so the same code drives the simulator and the GPU.
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 
 import numpy as np
@@ -87,7 +87,7 @@ class Scheduler:
             batch = replace(batch, cached_tokens=self._new_hits)
             self._new_hits = 0
         self.inflight[lane] = (batch, reqs)
-        self.busy.update(r.id for r in reqs)
+        self.busy.update([r.id for r in reqs])
         return batch
 
     # ---- KV, priority and preemption ----------------------------------------------------------------
@@ -254,9 +254,13 @@ class Scheduler:
         reqs = self._one_step(reqs)
         if not reqs:
             return None
-        tables = self.kv.tables
-        chunks = [Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs]
-        return self._fused(lane, partition, chunks, reqs, now, horizon, co, co_sms)
+        return self._fused(lane, partition, self._decode_chunks(reqs), reqs, now, horizon, co, co_sms)
+
+    def _decode_chunks(self, reqs: list[Request]) -> list[Chunk]:
+        """One decode chunk per request (its KV held). Built as plain tuples of Chunk's type: the same
+        objects as ``Chunk(...)`` at half the cost of its generated ``__new__`` (one per request per launch)."""
+        tables, new = self.kv.tables, tuple.__new__
+        return [new(Chunk, (r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling)) for r in reqs]
 
     def _fused(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], now: float,
                horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:
@@ -385,7 +389,7 @@ class Scheduler:
         first_end, end = (res.end, res.end) if steps == 1 else (float(res.step_ends[0]), res.end)
         gaps, partial = self.gaps, self.partial
         times = None if gaps is not None else [res.end] if steps == 1 else list(res.step_ends)
-        prev: dict[float, int] = {}  # previous-token time -> requests: their gap to this launch's first step
+        lasts: list[float] = []  # previous-token times: each one's gap to this launch's first step
         done: list[Request] = []
         for c, r in zip(batch.chunks, reqs):
             r.num_computed = c.start + c.num_tokens + more
@@ -397,8 +401,8 @@ class Scheduler:
             last = r.last_token_time
             if last is None:
                 r.first_token_time = first_end
-            elif gaps is not None:
-                prev[last] = prev.get(last, 0) + 1
+            else:
+                lasts.append(last)
             if times is not None:
                 r.token_times.extend(times)
             r.last_token_time = end
@@ -407,7 +411,7 @@ class Scheduler:
                 self._finish(r, end)
                 done.append(r)
         if gaps is not None:
-            for last, n in prev.items():
+            for last, n in Counter(lasts).items():
                 gaps.add(first_end - last, n)
             if more:
                 gaps.add_steps(res.step_ends, len(batch.chunks))

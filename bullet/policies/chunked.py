@@ -4,7 +4,7 @@ leaves no prefill work behind, the decode steps after it are fused into the same
 
 from __future__ import annotations
 
-from ..batch import Batch, Chunk, Lane
+from ..batch import Batch, Lane
 from .base import Scheduler
 
 
@@ -19,9 +19,8 @@ class ChunkedPrefill(Scheduler):
             return self._decode_batch(lane, self.whole_gpu, decoders, now, self.arrival_horizon(horizon))
         budget = self.cfg.max_batched_tokens
         reqs = self._one_step(decoders[:budget])
-        tables = self.kv.tables
-        chunks = [Chunk(r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling) for r in reqs]
-        self.busy.update(r.id for r in reqs)
+        chunks = self._decode_chunks(reqs)
+        self.busy.update([r.id for r in reqs])
         self._take_prefills(budget - len(chunks), chunks, reqs)
         if not chunks:
             return None
