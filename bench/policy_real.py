@@ -58,12 +58,14 @@ def main() -> None:
     ap.add_argument("--layers-per-step", type=int, default=16, help="bullet / static-split prefill slices")
     ap.add_argument("--decode-sizes", default="16,32,48,64,80,96,112",
                     help="bullet's decode sizes (each costs its own decode graphs on the GPU)")
+    ap.add_argument("--no-prefill-graphs", action="store_true",
+                    help="run prefill/mixed launches eagerly (no prefill graphs captured)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     import torch
 
-    from bullet.gpu.executor import GpuExecutor
+    from bullet.gpu.executor import GpuExecutor, prepare_graphs
 
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     latency = latency_model(args.latency, spec, gpu)
@@ -73,11 +75,12 @@ def main() -> None:
     ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.85)
     if cuda:
         ex.warmup()
-        buckets = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-        ex.capture("all", gpu.num_sms, buckets)
-        for d in (*sizes, gpu.num_sms):
-            ex.capture("decode", d, buckets)
+        free = torch.cuda.mem_get_info()[0]
+        for name in args.policies:  # every policy's partitions, decode and prefill graphs
+            counts = prepare_graphs(ex, policy_cfg(name, args.layers_per_step, sizes), gpu,
+                                    prefill=not args.no_prefill_graphs)
         torch.cuda.synchronize()
+        print(f"graphs: {counts}, {(free - torch.cuda.mem_get_info()[0]) / 2**30:.1f} GiB", flush=True)
     print(f"executor ready in {time.perf_counter() - t0:.1f} s: {ex.kv.num_blocks} KV blocks", flush=True)
     rows, timelines = [], []
     for spec_run in args.runs:

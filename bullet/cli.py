@@ -496,6 +496,9 @@ def profile(
                                              "(tests; use --model tiny-llama).")] = "cuda",
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory for weights and the KV "
                                                                "pool.")] = 0.85,
+    prefill_graphs: Annotated[bool, typer.Option(help="Prefill and mixed launches a prefill graph can serve "
+                                                      "(up to 512 tokens, 64 chunks) replay one, as serving does; "
+                                                      "--no-prefill-graphs measures them eager.")] = True,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json: the measurements a fitted latency model is made from."""
@@ -537,7 +540,9 @@ def profile(
             def on_point(done: int, total: int, pid: str) -> None:
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
-            measured, skipped = run_profile(ex, out, weights, quick, reps, on_point)
+            measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs)
+    except ValueError as e:
+        raise fail(str(e)) from None
     except OSError as e:
         raise fail(f"{out}: cannot write the profile: {e.strerror or e}") from None
     finally:

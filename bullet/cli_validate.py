@@ -55,6 +55,9 @@ def validate(
     max_error: Annotated[float, typer.Option(help="Exit with code 1 if the simulator misses the mean or p90 "
                                                   "TTFT or TPOT by more than this many percent.")] = 5.0,
     warmup: Annotated[bool, typer.Option(help="Build prefill attention plans before serving.")] = True,
+    prefill_graphs: Annotated[bool, typer.Option(
+        help="Capture prefill/mixed-launch CUDA graphs (token buckets up to 512) for the policy's partitions "
+             "before serving; small launches then replay them instead of ~300 eager kernel launches.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(help="Folder for report.json and cdf.png.")] = None,
 ) -> None:
@@ -89,7 +92,7 @@ def validate(
     except (ConfigError, TraceError, ValueError) as e:
         raise fail(str(e)) from None
     try:
-        from .gpu.executor import GpuExecutor
+        from .gpu.executor import GpuExecutor, prepare_graphs
     except ImportError as e:
         raise fail(f"bullet validate needs torch ({e})") from None
     cuda = device.startswith("cuda")
@@ -103,7 +106,7 @@ def validate(
         if cuda:
             if warmup:
                 ex.warmup()
-            prepare_graphs(ex, cfg, gpu_spec)
+            prepare_graphs(ex, cfg, gpu_spec, prefill=prefill_graphs)
     try:
         with console.status(f"serving {num_requests} requests, then simulating them"):
             rep = lib.validate(make_requests, ex, spec, gpu_spec, cfg, slo, lat, ex.kv.num_blocks,
@@ -125,19 +128,6 @@ def validate(
         print_report(rep, title, max_error, console)
     if rep.worst() * 100 > max_error:
         raise typer.Exit(1)
-
-
-def prepare_graphs(ex, cfg: SchedulerConfig, gpu) -> None:
-    """Capture, before serving, the decode graphs of every partition the policy will use."""
-    if cfg.policy in ("chunked", "prefill-first"):
-        ex.capture("all", gpu.num_sms, ex.graph_buckets)
-    elif cfg.policy == "static-split":
-        ex.capture("decode", gpu.num_sms - cfg.prefill_sms, ex.graph_buckets)
-    elif cfg.policy == "naive-concurrent":
-        ex.capture("decode", gpu.num_sms, ex.graph_buckets)
-    else:
-        for d in (*(cfg.decode_sizes or gpu.decode_sizes[:-1]), gpu.num_sms):
-            ex.capture("decode", d, ex.graph_buckets)
 
 
 def print_report(rep, title: str, max_error: float, console: Console) -> None:

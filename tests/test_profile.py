@@ -44,6 +44,7 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
     assert meta["model"] == "tiny-llama" and meta["grid"] == "quick" and meta["points"] == len(ids)
     for key in ("date", "torch", "bullet", "commit", "gpu", "finished", "model_spec"):
         assert key in meta
+    assert meta["prefill_graphs"] == {"max_tokens": 512, "max_seqs": 64, "buckets": [16, 32, 64, 128, 256, 512]}
     # an interrupted write leaves a torn last line: it is dropped and that point measured again
     text = (out / "points.csv").read_text().splitlines(keepends=True)
     (out / "points.csv").write_text("".join(text[:-1]) + text[-1][:20])

@@ -246,6 +246,7 @@ class GpuExecutor:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
+        self.prefill_graphs.clear()  # their buffers were used on green streams: free them while those live
         self._inflight.clear()
         self._held.clear()
         if self._own_menu:  # a menu passed in belongs to the caller
@@ -288,6 +289,28 @@ class GpuExecutor:
                 for g in greedy:
                     pg.capture(side, b, layers, g)
         return len(pg.graphs)
+
+    def capture_prefill_for(self, batch: Batch, greedy: bool = True) -> bool:
+        """Capture the prefill graph a launch of ``batch`` would replay (its partition, token bucket, layers);
+        False where none can serve it (too many tokens or chunks, or one-token rows only: decode graphs)."""
+        if all(c.num_tokens == 1 for c in batch.chunks) or (self.cuda and not self.use_graphs):
+            return False
+        pg = self.prefill_graphs.get(batch.lane)
+        if pg is None:
+            pg = self.prefill_graphs[batch.lane] = PrefillGraphs(self.model, self.kv, self.device,
+                                                                 **self._pgraph_args)
+        b = pg.bucket(batch.chunks)
+        if b is None:
+            return False
+        side = self.menu.side(batch.lane, batch.partition.num_sms) if self.cuda else None
+        pg.capture(side, b, batch.layers, greedy)
+        return True
+
+    @property
+    def prefill_graph_limits(self) -> dict:
+        """The largest launch a prefill graph serves (tokens, chunks), and the token buckets."""
+        b = sorted(self._pgraph_args["buckets"])
+        return {"max_tokens": b[-1], "max_seqs": self._pgraph_args["max_seqs"], "buckets": b}
 
     def _prefill_graph(self, lane: Lane, side: Side | None, chunks: Sequence[Chunk], samp: Sequence[Chunk],
                        x: torch.Tensor, layers: range) -> torch.Tensor | None:
@@ -587,3 +610,31 @@ class GpuExecutor:
                 if st is not None:
                     st.outputs.extend(int(t) for t in dev[:, j])
         return StepResult(batch, start, end, tuple(ends), tokens)
+
+
+def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str, int]:
+    """Capture, before serving, the graphs of every partition the policy (``cfg``: a SchedulerConfig) will
+    launch on: decode graphs (every batch bucket), and, with ``prefill``, prefill graphs (every token bucket)
+    for the layer ranges its prefill launches take. bullet's prefill partitions are the complements of its
+    decode sizes and the whole GPU; its ranges the ``layers_per_step`` slices and the whole forward (a launch
+    the menu or the ranges miss runs eagerly). Returns how many graphs each kind has."""
+    N, L = gpu.num_sms, ex.spec.num_layers
+    step = cfg.layers_per_step or L
+    slices = [range(i, min(i + step, L)) for i in range(0, L, step)]
+    if cfg.policy in ("chunked", "prefill-first"):
+        decode, pre = [("all", N)], [("all", N, [range(L)])]
+    elif cfg.policy == "static-split":
+        decode, pre = [("decode", N - cfg.prefill_sms)], [("prefill", cfg.prefill_sms, slices)]
+    elif cfg.policy == "naive-concurrent":
+        decode, pre = [("decode", N)], [("prefill", N, slices)]
+    else:
+        sizes = (*(cfg.decode_sizes or gpu.decode_sizes[:-1]), N)
+        decode = [("decode", d) for d in sizes]
+        ranges = slices if len(slices) == 1 else [*slices, range(L)]
+        pre = [("prefill", N - d if d < N else N, ranges) for d in sizes]
+    for lane, sms in decode:
+        ex.capture(lane, sms, ex.graph_buckets)
+    for lane, sms, ranges in pre if prefill else ():
+        ex.capture_prefill(lane, sms, layer_ranges=ranges)
+    return {"decode": sum(len(g.graphs) for g in ex._graphs.values()),
+            "prefill": sum(len(g.graphs) for g in ex.prefill_graphs.values())}

@@ -157,8 +157,8 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
 class Profiler:
     """Runs points on a :class:`~bullet.gpu.executor.GpuExecutor`, with its own block tables."""
 
-    def __init__(self, executor, reps: int = 3) -> None:
-        self.ex, self.reps = executor, reps
+    def __init__(self, executor, reps: int = 3, prefill_graphs: bool = True) -> None:
+        self.ex, self.reps, self.prefill_graphs = executor, reps, prefill_graphs
         self.spec: ModelSpec = executor.spec
         self.kv = BlockManager(executor.kv.num_blocks, executor.kv.block_size)
         self._rid = 1 << 40  # request ids of our own, far from any real ones
@@ -212,6 +212,8 @@ class Profiler:
         for rep in range(self.reps + 1):
             chunks = self._chunks(pt.shape, pt.shape.steps)
             batch = self._batch(pt.shape, pt.lane, pt.sms, chunks)
+            if not rep and self.prefill_graphs:  # as serving does at start-up, where a graph serves it
+                self.ex.capture_prefill_for(batch)
             host = self._launch(batch)
             (res,) = self._drain()
             self._release(chunks)
@@ -237,6 +239,8 @@ class Profiler:
             pchunks = self._chunks(pre_pt.shape, 1)
             dbatch = self._batch(dec_pt.shape, "decode", dec_pt.sms, dchunks, steps)
             pbatch = self._batch(pre_pt.shape, "prefill", pre_pt.sms, pchunks)
+            if not rep and self.prefill_graphs:
+                self.ex.capture_prefill_for(pbatch)
             dhost = self._launch(dbatch)
             phost = self._launch(pbatch)
             res = {r.batch.lane: r for r in self._drain()}
@@ -420,9 +424,12 @@ def _commit() -> str | None:
 
 
 def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
-                on_point: Callable[[int, int, str], None] | None = None) -> tuple[int, int]:
+                on_point: Callable[[int, int, str], None] | None = None,
+                prefill_graphs: bool = True) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measured, skipped).
-    ``on_point(done, total, id)`` reports progress."""
+    ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches that a
+    prefill graph can serve replay one (captured before their first run), as in serving; the limits go into
+    the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time."""
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
@@ -440,8 +447,13 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             w.writerows(rows)
         os.replace(tmp, path)
     meta = metadata(executor, spec, weights, quick, reps, len(pts))
+    graphs = prefill_graphs and (executor.use_graphs or not executor.cuda)
+    meta["prefill_graphs"] = executor.prefill_graph_limits if graphs else None
+    if have and (old := _old_meta(out)) is not None and old.get("prefill_graphs") != meta["prefill_graphs"]:
+        raise ValueError(f"{out}: its points were measured with prefill_graphs={old.get('prefill_graphs')}, "
+                         f"this run would use {meta['prefill_graphs']}: profile into a new folder")
     _write_json(out / "metadata.json", meta)
-    prof = Profiler(executor, reps)
+    prof = Profiler(executor, reps, graphs)
     for pid, row in have.items():  # co-runs size their stretches from earlier solo points
         prof.solo[pid] = float(row["gpu_s"])
     measured = skipped = 0
@@ -456,6 +468,13 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped
+
+
+def _old_meta(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_json(path: Path, obj: dict) -> None:

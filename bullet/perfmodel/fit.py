@@ -244,6 +244,12 @@ def gpu_bound(r: dict) -> bool:
     return r["gpu_s"] > GPU_BOUND * r["host_s"]
 
 
+def graphed(prof: Profile, r: dict) -> bool:
+    """A prefill or mixed point that replayed a prefill graph (the profile's ``prefill_graphs`` limits)."""
+    g = prof.meta.get("prefill_graphs")
+    return bool(g) and not is_decode(r) and r["tokens"] <= g["max_tokens"] and r["seqs"] <= g["max_seqs"]
+
+
 # ---------------------------------------------------------------------------------------------- fitting
 
 def _design(q: Quantities, terms, items: list[tuple[dict, int]]) -> np.ndarray:
@@ -282,9 +288,10 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
     fit("decode_first", [(q.decode(work_of_row(r), r["sms"]), r["sms"]) for r in solo_dec],
         [r["first_s"] for r in solo_dec])
     solo_eager = [r for r in rows if is_solo(r) and not is_decode(r) and gpu_bound(r)]
-    fit("eager", [(q.eager(work_of_row(r), r["sms"]), r["sms"]) for r in solo_eager],
+    pad = FittedModel(_assemble(prof, terms, kernels, {}, {})).padded  # graphed launches: the bucket's rows
+    fit("eager", [(q.eager(pad(work_of_row(r)), r["sms"]), r["sms"]) for r in solo_eager],
         [r["gpu_s"] for r in solo_eager])
-    eager_all = [r for r in rows if not is_decode(r)]
+    eager_all = [r for r in rows if not is_decode(r) and not graphed(prof, r)]  # graph replays: no host term
     fit("host", [(q.host(work_of_row(r)), 0) for r in eager_all], [r["host_s"] for r in eager_all])
     # contention: measured over the stand-alone prediction of the model fitted so far
     model = _assemble(prof, terms, kernels, coef, counts)
@@ -323,7 +330,7 @@ def _assemble(prof: Profile, terms: dict, kernels: dict, coef: dict, counts: dic
                       "points": int(counts.get(name, 0))}
     return {"format": FORMAT, "version": FORMAT_VERSION, "model_spec": spec_dict(prof.spec),
             "gpu": {"name": prof.gpu, "num_sms": prof.num_sms, "device": prof.meta.get("gpu")},
-            "kernels": kernels, "families": fams}
+            "kernels": kernels, "families": fams, "prefill_graphs": prof.meta.get("prefill_graphs")}
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -344,7 +351,8 @@ def predictions(fm: FittedModel, r: dict) -> dict[str, tuple[float, float]]:
             host = fm.host_time(w)
             if gpu_bound(r):
                 out[r["kind"]] = (gpu, r["gpu_s"])
-            out["host"] = (host, r["host_s"])
+            if not fm.graphed(w):
+                out["host"] = (host, r["host_s"])
             out["launch"] = (max(gpu, host), r["gpu_s"])
         return out
     co, co_sms = co_work_of_row(r), r["co_sms"]
@@ -360,7 +368,8 @@ def predictions(fm: FittedModel, r: dict) -> dict[str, tuple[float, float]]:
         t = alone / (1.0 - o + o * alone / t_co)  # co-run for the overlap, alone after it
         host = fm.host_time(w)
         out["co-run prefill"] = (t, r["gpu_s"])
-        out["host"] = (host, r["host_s"])
+        if not fm.graphed(w):
+            out["host"] = (host, r["host_s"])
         out["launch"] = (max(t, host), r["gpu_s"])
     return out
 

@@ -32,7 +32,12 @@ How ``predict`` combines them:
   so host time never shows;
 * an eager launch (prefill, mixed): ``max(host, gpu)``, because the CUDA events around it measure the GPU
   waiting for a host that enqueues more slowly than the GPU computes, and that is what the profile measured
-  (a 256-token prefill on the whole GPU: 12.4 ms of host time, 12.3 ms between the events).
+  (a 256-token prefill on the whole GPU: 12.4 ms of host time, 12.3 ms between the events);
+* a prefill or mixed launch that a prefill graph serves (``prefill_graphs``: the limits the profile ran
+  with, up to ``max_tokens`` tokens and ``max_seqs`` chunks): GPU time only, like a decode launch (the
+  executor uses such a graph where one was captured for the partition and layers; serving captures them at
+  start-up for the partitions its policy uses), with the GEMM and elementwise terms at the token bucket's
+  row count (``buckets``: the graph computes its padding rows too).
   ``FittedModel(..., host=False)`` leaves host time out (the GPU time alone: an executor that captured its
   prefill in graphs).
 
@@ -302,6 +307,9 @@ class FittedModel:
             self.q = Quantities(self.spec, N, self.kernels)
             fam = data["families"]
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
+            g = data.get("prefill_graphs")
+            self.graph_limits = None if g is None else (int(g["max_tokens"]), int(g["max_seqs"]))
+            self.graph_buckets = tuple(sorted(int(b) for b in (g or {}).get("buckets", ())))
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
@@ -360,7 +368,7 @@ class FittedModel:
             if co is not None and np.any(co_sms):
                 t = t * (1.0 + self._slowdown("co_decode", n, co, co_sms, arr))
             return t
-        qv = self.q.eager(work, n)
+        qv = self.q.eager(self.padded(work), n)
         t = self.f["eager"].array(qv, n) if arr else self.f["eager"].scalar(qv, n)
         if co is not None and np.any(co_sms):
             t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr))
@@ -410,15 +418,30 @@ class FittedModel:
         kv, longest = self.q.decode_var(work, splits=splits)
         return const + kv * w_kv + longest * w_longest
 
+    def padded(self, work: Work) -> Work:
+        """The Work a launch really computes: a graphed one runs every row of its token bucket through the
+        GEMMs and elementwise kernels (attention only over the real ones)."""
+        if not self.graph_buckets or not self.graphed(work):
+            return work
+        return work._replace(tokens=next(b for b in self.graph_buckets if b >= work.tokens))
+
+    def graphed(self, work: Work) -> bool:
+        """A prefill or mixed launch a prefill graph serves (the profile's limits)."""
+        g = self.graph_limits
+        return g is not None and work.tokens <= g[0] and work.seqs <= g[1]
+
     def host_time(self, work: Work) -> float:
-        """Host seconds of an eager launch (``GpuExecutor.launch``)."""
+        """Host seconds of an eager launch (``GpuExecutor.launch``); 0 for one a prefill graph serves (its
+        replay returns to the host long before the GPU is done)."""
+        if self.graphed(work):
+            return 0.0
         return self.f["host"].scalar(self.q.host(work), 0)
 
     def gpu_time(self, work: Work, n: int) -> float:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
         if work.tokens == work.seqs:
             return self._decode_step("decode_first", work, n)
-        return self.f["eager"].scalar(self.q.eager(work, n), n)
+        return self.f["eager"].scalar(self.q.eager(self.padded(work), n), n)
 
     def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
         """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``."""

@@ -56,7 +56,7 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
             raise ConfigError(f"--gpu {gpu}: {gpu_spec.num_sms} SMs, but the device has {ex.menu.num_sms}")
         ex.warmup()
         if not cpu and use_graphs:  # decode graphs of the policy's partitions, before the first request
-            from ..cli_validate import prepare_graphs
+            from ..gpu.executor import prepare_graphs
 
             prepare_graphs(ex, sched, gpu_spec)
         from simulator.run import latency_model
