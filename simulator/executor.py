@@ -18,8 +18,8 @@ import numpy as np
 
 from bullet.batch import Batch, Lane, StepResult, check_launch
 from bullet.config import GpuSpec
-from bullet.perfmodel import LatencyModel, Work, work_of
-from bullet.perfmodel.base import step_ends
+from bullet.perfmodel import LatencyModel, Work
+from bullet.perfmodel.base import batch_work, step_ends
 
 
 @dataclass(slots=True, eq=False)
@@ -64,7 +64,7 @@ class SimExecutor:
             raise RuntimeError(f"lane {lane!r} already has a batch in flight")
         check_launch(batch, (f.batch for f in self._flights.values()), self.sizes, self.num_sms)
         now = self._now
-        work = work_of(batch, self.num_layers)
+        work = batch_work(self.latency, batch, self.num_layers)
         self._flights[lane] = _Flight(batch, work, now, None, mark=now)
         self._retime(now)
 

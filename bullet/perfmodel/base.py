@@ -101,6 +101,14 @@ def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co:
     return np.concatenate(([t0], latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)))
 
 
+def batch_work(latency: LatencyModel, batch: Batch, total_layers: int) -> Work:
+    """``work_of(batch, total_layers)``, remembered per batch by a :class:`CachedLatency` (a policy and the
+    simulator each ask about the launches in flight)."""
+    if isinstance(latency, CachedLatency):
+        return latency.work_of(batch, total_layers)
+    return work_of(batch, total_layers)
+
+
 def step_ends(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
               co_sms: int = 0) -> np.ndarray:
     """``np.cumsum(step_times(...))``: each step's end, seconds after the launch starts. Memoised by a
@@ -118,8 +126,8 @@ class CachedLatency:
         self.model = model
         self._key: tuple | None = None
         self._steps = np.zeros(0)
-        self._pkey: tuple | None = None
-        self._pval = 0.0
+        self._predicted: dict[tuple, float] = {}
+        self._works: dict[int, tuple[Batch, int, Work]] = {}  # id(batch) -> (batch, layers, its work)
         self._ekey: tuple | None = None
         self._ends = np.zeros(0)
 
@@ -127,9 +135,12 @@ class CachedLatency:
         if isinstance(num_sms, np.ndarray):
             return self.model.predict(work, num_sms, co, co_sms)
         key = (work, num_sms, co, co_sms)
-        if key != self._pkey:
-            self._pkey, self._pval = key, self.model.predict(work, num_sms, co, co_sms)
-        return self._pval
+        out = self._predicted.get(key)
+        if out is None:
+            if len(self._predicted) >= 4096:  # bounded: most repeats are a policy's search over SM counts
+                self._predicted.clear()
+            out = self._predicted[key] = self.model.predict(work, num_sms, co, co_sms)
+        return out
 
     def decode_steps(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
                      co_sms: int = 0) -> np.ndarray:
@@ -147,3 +158,14 @@ class CachedLatency:
         if key != self._ekey or steps > len(self._ends):
             self._ekey, self._ends = key, np.cumsum(step_times(self, first, steps, num_sms, co, co_sms))
         return self._ends[:steps]
+
+    def work_of(self, batch: Batch, total_layers: int) -> Work:
+        """:func:`work_of` of the last few batches asked about (by identity: a Batch is immutable)."""
+        hit = self._works.get(id(batch))
+        if hit is not None and hit[0] is batch and hit[1] == total_layers:
+            return hit[2]
+        work = work_of(batch, total_layers)
+        if len(self._works) >= 8:
+            self._works.clear()
+        self._works[id(batch)] = (batch, total_layers, work)
+        return work

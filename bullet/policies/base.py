@@ -410,11 +410,14 @@ class Scheduler:
             if r.num_output >= r.max_new_tokens:
                 self._finish(r, end)
                 done.append(r)
-        if gaps is not None:
-            for last, n in Counter(lasts).items():
-                gaps.add(first_end - last, n)
-            if more:
-                gaps.add_steps(res.step_ends, len(batch.chunks))
+        if gaps is not None and lasts:
+            if lasts.count(lasts[0]) == len(lasts):  # the usual case: all from one launch
+                gaps.add(first_end - lasts[0], len(lasts))
+            else:
+                for last, n in Counter(lasts).items():
+                    gaps.add(first_end - last, n)
+        if gaps is not None and more:
+            gaps.add_steps(res.step_ends, len(batch.chunks))
         return done
 
     def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:

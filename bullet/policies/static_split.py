@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
-from ..perfmodel import work_of
+from ..perfmodel.base import batch_work
 from ..request import Request
 from .base import LayerSliced
 
@@ -41,8 +41,8 @@ class StaticSplit(LayerSliced):
         step = self.cfg.layers_per_step or self.model.num_layers
         batch = Batch(self.prefill_part, range(first, min(first + step, self.model.num_layers)), chunks)
         decode = self.inflight.get("decode")
-        co = work_of(decode[0], self.model.num_layers) if decode else None
-        work = work_of(batch, self.model.num_layers)
+        co = batch_work(self.latency, decode[0], self.model.num_layers) if decode else None
+        work = batch_work(self.latency, batch, self.model.num_layers)
         self.prefill_until = now + float(self.latency.predict(work, self.prefill_part.num_sms, co,
                                                               self.decode_part.num_sms))
         return self._launch("prefill", batch, reqs)
@@ -53,7 +53,7 @@ class StaticSplit(LayerSliced):
             return None
         prefill = self.inflight.get("prefill")
         if prefill:  # new decoders join when the prefill launch in flight ends
-            until, co = self.prefill_until, work_of(prefill[0], self.model.num_layers)
+            until, co = self.prefill_until, batch_work(self.latency, prefill[0], self.model.num_layers)
         else:
             until, co = self.arrival_horizon(horizon), None
         return self._decode_batch("decode", self.decode_part, decoders, now, until, co,
