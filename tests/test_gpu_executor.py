@@ -293,6 +293,21 @@ def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg, lanes):
 
 
 @pytest.mark.gpu
+def test_gpu_sliced_one_token_prompt_does_not_replay_a_decode_graph(weights, gpu_menu):
+    """A one-token prompt prefilled in one-layer slices: every chunk has one token and samples, but the last
+    slice's input is the hidden state, not token ids, so it must not go to a decode graph (it did, on the
+    H200 under bullet at 8 req/s: "output with shape [1] doesn't match the broadcast shape [1, 4096]")."""
+    ex = GpuExecutor(SPEC, "dummy", "cuda", block_size=4, num_blocks=32, seed=SEED, weights=weights,
+                     dtype=torch.float32, menu=gpu_menu)
+    chunks = (Chunk(0, 0, 1, (0,), True, (7,)),)
+    for layer in range(SPEC.num_layers):
+        ex.launch(Batch(Partition("prefill", 68), range(layer, layer + 1), chunks))
+        (res,) = ex.wait(None)
+    assert res.tokens[0].tolist() == greedy_reference(weights, [7], 1)
+    ex.close()
+
+
+@pytest.mark.gpu
 def test_gpu_prefix_cache_hits_match_reference(weights, gpu_menu):
     """The prefix-cache case of the CPU test on the GPU (float32, partitions, graphs), cached and not."""
     outs = {}

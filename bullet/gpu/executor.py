@@ -448,7 +448,7 @@ class GpuExecutor:
         slots = None
         if samp:
             slots = self._to_device(np.array([self._state(c.req_id).slot for c in samp], np.int64))
-        if self._graph_ok(lane, chunks, samp, steps):
+        if layers.start == 0 and self._graph_ok(lane, chunks, samp, steps):  # (a slice's x is hidden state)
             toks = self._graph_steps(lane, side, chunks, x, steps, record)
         else:
             first = self._prefill_graph(lane, side, chunks, samp, x, layers)

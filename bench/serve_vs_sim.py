@@ -1,0 +1,114 @@
+"""`bullet bench` against a live `bullet run`, next to `bullet simulate` on the same requests (issue 11's GPU
+acceptance): for each policy a server is started (prefix caching off, as in the simulation: each rate sends the
+same prompts again), each rate's requests are streamed to it by `bullet bench`
+(the trace's arrivals rescaled to the rate, ignore_eos so every request generates its trace length), the
+server is stopped, and `bullet simulate` runs the same trace, rate, policy and latency model. Prints failed
+requests and TTFT / TPOT (mean, p50, p90) real vs simulated.
+
+    python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
+    python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
+        --skip-oversized
+
+``--out`` gets the server logs, each rate's bench JSON, and results.json (every real and simulated summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "bullet.cli"]
+POLICY_FLAGS = {"chunked": ["--max-num-batched-tokens", "2048"], "static-split": ["--prefill-sms", "92"],
+                "bullet": ["--decode-sizes", "16,32,48,64,80,96,112"],  # 8 sizes of decode graphs, not 15
+                "prefill-first": [], "naive-concurrent": []}
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    sys.exit(f"the server was not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--latency", default="auto", help="latency model of the policies and the simulator")
+    ap.add_argument("--policies", nargs="+", default=["chunked", "static-split", "bullet"])
+    ap.add_argument("--trace", default="sharegpt")
+    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0])
+    ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--slo", default="paper-sharegpt")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--skip-oversized", action="store_true",
+                    help="simulate without the requests the model cannot hold (the server answers them 400)")
+    ap.add_argument("--out", type=Path, default=Path("serve_vs_sim"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    common = ["--model", args.model, "--latency", args.latency]
+    work = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--slo", args.slo]
+    rows = []
+    for policy in args.policies:
+        flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
+        log = args.out / f"server_{policy}.log"
+        t0 = time.perf_counter()
+        with log.open("w") as lf:
+            proc = subprocess.Popen([*CLI, "run", *common, *flags, "--device", args.device, "--slo", args.slo,
+                                     "--port", str(args.port), "--log-level", "warning",
+                                     "--no-prefix-caching"], stdout=lf, stderr=lf)
+            wait_ready(url, proc, log, args.ready_timeout)
+            print(f"{policy}: server ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            real = {}
+            for rate in args.rates:
+                path = args.out / f"bench_{policy}_{rate:g}.json"
+                res = subprocess.run([*CLI, "bench", "--base-url", url, *work, "--request-rate", str(rate),
+                                      "--json", str(path)], check=False, capture_output=True, text=True)
+                if res.returncode not in (0, 1) or not path.exists():
+                    proc.send_signal(signal.SIGTERM)
+                    sys.exit(f"bullet bench failed ({res.returncode}):\n{(res.stdout + res.stderr)[-2000:]}")
+                real[rate] = json.loads(path.read_text())
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        for rate in args.rates:
+            skip = ["--skip-oversized"] if args.skip_oversized else []
+            res = subprocess.run([*CLI, "simulate", *common, *flags, *work, *skip, "--request-rate", str(rate),
+                                  "--json"], check=False, capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"bullet simulate failed:\n{res.stderr[-2000:]}")
+            sim = json.loads(res.stdout)
+            rows.append((policy, rate, real[rate], sim))
+    print("\n| policy | rate | failed | TTFT mean real / sim ms (err) | TTFT p50 | TTFT p90 | TPOT mean real / sim ms "
+          "(err) | TPOT p50 | TPOT p90 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    (args.out / "results.json").write_text(json.dumps(
+        [{"policy": p, "rate": r, "real": real, "sim": sim} for p, r, real, sim in rows], indent=1))
+    for policy, rate, real, sim in rows:
+        r, s = real["bullet"], sim
+        cells = []
+        for m in ("ttft_ms", "tpot_ms"):
+            for q in ("mean", "p50", "p90"):
+                a, b = r[m][q], s[m][q]
+                cells.append(f"{a:.1f} / {b:.1f} ({100 * (b / a - 1):+.0f} %)")
+        print(f"| {policy} | {rate:g} | {real.get('failed', 0)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
