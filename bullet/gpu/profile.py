@@ -129,6 +129,16 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pts.append(Point(Shape(((1024, 0),) * 4), lane, sms))
                 pts.append(Point(Shape(((256, 0),) * 16), lane, sms))
                 pts.append(Point(Shape(((4096, 0),), layers=max(1, spec.num_layers // 4)), lane, sms))
+                # launches a prefill graph serves (<= 512 tokens): several short prompts, a bucket's padding
+                # (400 tokens run as 512), a short slice
+                pts.append(Point(Shape(((32, 0),) * 8), lane, sms))
+                pts.append(Point(Shape(((96, 0),) * 5), lane, sms))
+                pts.append(Point(Shape(((400, 0),)), lane, sms))
+                pts.append(Point(Shape(((128, 0),) * 2, layers=max(1, spec.num_layers // 4)), lane, sms))
+    # chunked prefill's later chunks: a chunk over the prompt's earlier chunks (whole GPU)
+    if not cpu:
+        for n, p in ((512, 1536), (2048, 2048), (2048, 6144)):
+            pts.append(Point(Shape(((n, p),)), "all", num_sms))
     steps = 4 if cpu else 8
     for lane, sizes in (("all", [num_sms]), ("decode", dec_sizes if not cpu else [])):
         for sms in sizes:
@@ -142,6 +152,10 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
     for rows in ([2] if cpu else [16, 64, 128]):  # chunked prefill's mixed steps, whole GPU
         for n in ([16] if cpu else [512, 2048, 8192 - rows]):
             pts.append(Point(Shape(((n, 0),), decode=(min(ctxs[-1], 1024),) * rows), "all", num_sms))
+        if not cpu:  # a later chunk over a prefix, and a small (graphed) mixed step
+            pts.append(Point(Shape(((2048 - rows, 2048),), decode=(1024,) * rows), "all", num_sms))
+            if rows < 64:
+                pts.append(Point(Shape(((64, 0),), decode=(1024,) * rows), "all", num_sms))
     for p, d in co_pairs:
         for n in co_new:
             for bs in co_batches:
@@ -149,7 +163,7 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pre = Shape(((n, 0),))
                 pts.append(Point(pre, "prefill", p, dec, d))
                 pts.append(Point(dec, "decode", d, pre, p))
-    return pts
+    return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
