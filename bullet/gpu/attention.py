@@ -87,7 +87,12 @@ def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | 
     if tiles is not None:
         tls[:] = tiles.ravel()
     fill_rows(chunks, block_size, pos, slot, starts, ctx, sample, bt.reshape(n, width))
-    dev = torch.from_numpy(buf).to(device)
+    host = torch.from_numpy(buf)
+    if torch.device(device).type == "cuda":  # pinned and asynchronous: a copy from pageable memory would wait
+        # for the stream to drain first (the host could not run ahead of a multi-step eager launch)
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
     parts = [dev[offs[i]:offs[i] + sizes[i]] for i in range(7)]
     return AttnMeta(positions=parts[0], slot_mapping=parts[1], seq_starts=parts[2], context_lens=parts[3],
                     sample_rows=parts[4], block_tables=parts[5].view(n, width), num_decode=num_decode,

@@ -33,8 +33,8 @@ pool (``build_meta(..., block_q=...)``: the model's tile size) in both cases.
 
 The only host sync per launch is the one that reads the sampled tokens (after the end event); ``wait``
 blocks on an event only while a single lane is in flight, and otherwise polls every lane's end event (so the
-lane that finishes first is seen first). The eager path's ``build_meta`` copies its metadata from pageable
-memory, which waits for the lane's stream; the graph path fills pinned buffers asynchronously.
+lane that finishes first is seen first). Metadata and inputs go to the device from pinned memory,
+asynchronously (a copy from pageable memory would wait for the lane's stream to drain).
 
 Options: ``kv_layout`` is the pool's order within a block (``PagedKvCache``: "hnd" or "nhd");
 ``one_token_gemv`` the launch options of the fused GEMV path for one-token forwards (batch-1 decode; see
