@@ -633,7 +633,8 @@ def print_fit_table(model: dict, console: Console) -> None:
                   "(*) not gated: host time counts through whole launches.".format(err["seed"]))
 
 
-def print_summary(s: dict, console: Console) -> None:
+def slo_label(s: dict, preset: str | None) -> str:
+    """The SLOs of a summary in words, with the preset's name."""
     slo = s["slo"]
     parts = []
     if slo["ttft_per_token_ms"] is not None:
@@ -642,27 +643,35 @@ def print_summary(s: dict, console: Console) -> None:
         parts.append(f"TTFT {slo['ttft_ms']:g} ms")
     if slo["tpot_ms"] is not None:
         parts.append(f"TPOT {slo['tpot_ms']:g} ms")
-    name = s.get("settings", {}).get("slo")
-    slo_text = (", ".join(parts) or "no SLO") + (f"; {name}" if name and name != "none" else "")
-    title = (f"{s['policy']} · {s['model']} on {s['gpu']} · {s['requests']} requests · "
-             f"{s['duration_s']:.1f} s simulated in {s['sim_wall_s']:.2f} s")
+    return (", ".join(parts) or "no SLO") + (f"; {preset}" if preset and preset != "none" else "")
+
+
+def summary_tables(s: dict, title: str, cols: list[str], preset: str | None) -> tuple[Table, Table]:
+    """The latency table (TTFT, TPOT, ITL, E2E by ``cols``) and the throughput / SLO table of a summary, as
+    `bullet simulate` and `bullet bench` print them (callers add their own rows to the second)."""
     lat = Table(title=title, title_justify="left")
     lat.add_column("latency (ms)")
-    cols = list(s["ttft_ms"])
     for col in cols:
         lat.add_column(col, justify="right")
     for name in ("ttft", "tpot", "itl", "e2e"):
         row = s[f"{name}_ms"]
-        lat.add_row(name.upper(), *(f"{row[c]:.1f}" for c in cols))
-    console.print(lat)
+        lat.add_row(name.upper(), *("-" if math.isnan(row[c]) else f"{row[c]:.1f}" for c in cols))
     tput = Table(show_header=False)
     tput.add_column(justify="left")
     tput.add_column(justify="right")
     tput.add_row("request throughput", f"{s['request_throughput']:.2f} req/s")
     tput.add_row("output token throughput", f"{s['output_throughput']:.0f} tok/s")
     tput.add_row("total token throughput", f"{s['total_token_throughput']:.0f} tok/s")
-    tput.add_row(f"SLO attainment ({slo_text})", f"{100 * s['slo_attainment']:.1f} %")
+    tput.add_row(f"SLO attainment ({slo_label(s, preset)})", f"{100 * s['slo_attainment']:.1f} %")
     tput.add_row("goodput", f"{s['goodput']:.2f} req/s")
+    return lat, tput
+
+
+def print_summary(s: dict, console: Console) -> None:
+    title = (f"{s['policy']} · {s['model']} on {s['gpu']} · {s['requests']} requests · "
+             f"{s['duration_s']:.1f} s simulated in {s['sim_wall_s']:.2f} s")
+    lat, tput = summary_tables(s, title, list(s["ttft_ms"]), s.get("settings", {}).get("slo"))
+    console.print(lat)
     if s.get("rejected"):
         tput.add_row("[yellow]rejected (never served)[/yellow]", f"{s['rejected']:,}: {s['rejected_example']}")
     if s.get("skipped_oversized"):

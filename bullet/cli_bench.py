@@ -15,7 +15,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from . import __version__
 from .cli_options import (
@@ -237,34 +236,12 @@ def _write_json(result: dict, path: Path) -> None:
 
 
 def print_bench(s: dict, percentiles, console: Console) -> None:
+    from .cli import summary_tables
+
     st = s["settings"]
-    slo = s["slo"]
-    parts = []
-    if slo["ttft_per_token_ms"] is not None:
-        parts.append(f"TTFT {slo['ttft_per_token_ms']:g} ms/token")
-    elif slo["ttft_ms"] is not None:
-        parts.append(f"TTFT {slo['ttft_ms']:g} ms")
-    if slo["tpot_ms"] is not None:
-        parts.append(f"TPOT {slo['tpot_ms']:g} ms")
-    slo_text = (", ".join(parts) or "no SLO") + (f"; {st['slo']}" if st["slo"] and st["slo"] != "none" else "")
-    lat = Table(title=f"{st['model']} · {s['requests']} completed, {s['failed']} failed · "
-                      f"{s['duration_s']:.1f} s", title_justify="left")
-    lat.add_column("latency (ms)")
-    cols = ["mean", *(f"p{p:g}" for p in percentiles)]
-    for col in cols:
-        lat.add_column(col, justify="right")
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        row = s[f"{name}_ms"]
-        lat.add_row(name.upper(), *("-" if math.isnan(row[c]) else f"{row[c]:.1f}" for c in cols))
+    title = f"{st['model']} · {s['requests']} completed, {s['failed']} failed · {s['duration_s']:.1f} s"
+    lat, tput = summary_tables(s, title, ["mean", *(f"p{p:g}" for p in percentiles)], st["slo"])
     console.print(lat)
-    tput = Table(show_header=False)
-    tput.add_column(justify="left")
-    tput.add_column(justify="right")
-    tput.add_row("request throughput", f"{s['request_throughput']:.2f} req/s")
-    tput.add_row("output token throughput", f"{s['output_throughput']:.0f} tok/s")
-    tput.add_row("total token throughput", f"{s['total_token_throughput']:.0f} tok/s")
-    tput.add_row(f"SLO attainment ({slo_text})", f"{100 * s['slo_attainment']:.1f} %")
-    tput.add_row("goodput", f"{s['goodput']:.2f} req/s")
     if s["failed"]:
         tput.add_row("[red]failed requests[/red]", f"{s['failed']:,}: {escape(_clip(s['failed_example']))}")
     console.print(tput)
