@@ -146,7 +146,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              cache: CacheConfig | None = None, slo: SloConfig | None = None,
              latency: LatencyModel | None = None,
              on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
-             percentiles: Sequence[float] = PERCENTILES, token_times: bool = False) -> SimulationResult:
+             percentiles: Sequence[float] = PERCENTILES, token_times: bool = False,
+             watch: Callable[[Scheduler, list[Request]], None] | None = None) -> SimulationResult:
     """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
     (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
     returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
@@ -154,7 +155,9 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     reports besides the mean. ``token_times``: keep every output token's time on its request
     (``Request.token_times``); without it only the first and last are kept and the summary's inter-token
     latencies come from the pooled gaps (:class:`~bullet.metrics.TokenGaps`), so memory does not grow with
-    output tokens. The summary records the configuration (scheduler, cache, SLOs, model, GPU,
+    output tokens. ``watch(scheduler, requests)`` is called once before serving with the scheduler and the
+    copies it serves, for a caller that follows their progress (``bullet whatif``'s early stop). The summary
+    records the configuration (scheduler, cache, SLOs, model, GPU,
     latency model, bullet version)."""
     t0 = time.perf_counter()
     requests = fresh_copies(requests)
@@ -164,6 +167,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency, slo=slo)
     scheduler.keep_token_times(token_times)
+    if watch is not None:
+        watch(scheduler, requests)
     timeline = Timeline(lambda: (len(scheduler.waiting), len(scheduler.running), kv.num_blocks - kv.num_free),
                         kv.num_blocks)
     front = scheduler if max_concurrency is None else ClientGate(scheduler, max_concurrency)

@@ -17,6 +17,7 @@ from bullet.config import CacheConfig, resolve_gpu, resolve_model
 from bullet.metrics import request_columns
 from bullet.traces import load_trace
 from bullet.whatif import (
+    Judge,
     Sweep,
     SweepError,
     Window,
@@ -115,6 +116,41 @@ def test_early_stop_decision_by_hand(tmp_path):
         with pytest.raises(_Verdict) as verdict:
             _Search(task).simulate(("rate", rate), lambda r=rate: window.requests(r), judged=True)
         assert verdict.value.passed == (attained >= 0.9) == (rate <= knee)
+
+
+@pytest.mark.parametrize("case", ["constructed", "sharegpt-bullet", "per-token"])
+def test_misses_counted_before_they_finish_change_no_decision(tmp_path, case):
+    """Judge.watch counts a request as missed once its TTFT target has passed with no first token and no
+    launch in flight: the verdict equals the full run's, and comes no later than counting at finishes."""
+    if case == "constructed":
+        (task,) = constructed(tmp_path).tasks()
+        rates = [f / SERVICE for f in (0.5, 0.99, 1.01, 1.1, 3.0)]
+    else:
+        slo = {"slo_ttft": "300", "slo_tpot": "60"} if case == "sharegpt-bullet" else {"slo_ttft_per_token": "0.5"}
+        (task,) = parse_sweep({"trace": "sharegpt", "num_prompts": "150", "policy": "bullet", **slo}).tasks()
+        rates = [4.0, 10.0, 14.0, 18.0, 30.0]
+    search = _Search(task)
+    stopped = 0
+    for rate in rates:
+        reqs = search.window.requests(rate)
+        full = simulate(reqs, search.model, search.gpu, search.sched, CacheConfig(), search.slo, search.latency)
+        verdicts = []
+        for watched in (False, True):
+            judge, seen = Judge(len(reqs), search.slo, 0.9), []
+
+            def hook(r, judge=judge, seen=seen):
+                seen.append(r)
+                judge(r)
+
+            with pytest.raises(_Verdict) as v:
+                simulate(reqs, search.model, search.gpu, search.sched, CacheConfig(), search.slo, search.latency,
+                         on_finish=hook, watch=judge.watch if watched else None)
+            verdicts.append((v.value.passed, len(seen)))
+        (plain, n_plain), (watched, n_watched) = verdicts
+        assert plain == watched == (full.summary["slo_attainment"] >= 0.9)
+        assert n_watched <= n_plain
+        stopped += n_watched < n_plain
+    assert stopped  # some failing run stopped earlier
 
 
 def test_units_share_simulations_and_change_no_answer(monkeypatch):
