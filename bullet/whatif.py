@@ -194,7 +194,7 @@ class Sweep:
     rates: tuple[float, ...] = ()  # rate grid: exact attainment at each rate (req/s)
     num_requests: int = 1000  # requests per window
     target: float = 0.9  # SLO attainment that counts as sustained
-    rel_tol: float = 0.02  # bisection stops when the bracket is this fraction of its low end
+    rel_tol: float = 0.02  # the capacity grid's step: rates (1 + rel_tol) ** k req/s
     seeds: int = 1  # replicates with synthetic arrivals: seeds seed, seed+1, ...
     seed: int = 0
     windows: int = 1  # replicates over consecutive windows of num_requests requests of the trace
@@ -975,7 +975,7 @@ def summarize(sweep: Sweep, results: Sequence[TaskResult]) -> list[Row]:
 
 
 def replicates_note(sweep: Sweep, rows: Sequence[Row]) -> str:
-    """How sure the capacities are: the replicates behind each and the bisection's resolution."""
+    """How sure the capacities are: the replicates behind each and the search's resolution."""
     n = max((len(r.capacities) for r in rows), default=0)
     what = []
     if sweep.windows > 1:
@@ -984,8 +984,8 @@ def replicates_note(sweep: Sweep, rows: Sequence[Row]) -> str:
         what.append(f"{n // sweep.windows} arrival seeds")
     spread = (f"mean ± sample sd and [min, max] over {' x '.join(what)}" if n > 1 else
               "one replicate: no sampling spread measured (--windows K or --seeds N for one)")
-    return (f"capacity = highest rate with SLO attainment >= {100 * sweep.target:g} %, bisection to "
-            f"{100 * sweep.rel_tol:g} % (the true crossing lies in [capacity, capacity x "
+    return (f"capacity = highest rate with SLO attainment >= {100 * sweep.target:g} %, on a grid of "
+            f"{100 * sweep.rel_tol:g} % steps (the true crossing lies in [capacity, capacity x "
             f"{1 + sweep.rel_tol:g}]); "
             f"{spread}")
 
