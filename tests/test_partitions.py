@@ -173,32 +173,20 @@ def test_every_legal_pair_is_disjoint_by_smid(menu):
 
 
 @pytest.mark.gpu
-def test_partition_limits_sms(menu):
-    """An 8192^3 GEMM on a 28-SM partition is several times slower than on the whole GPU, and the largest
-    decode partition computes the same product."""
+def test_cublas_on_partitions_matches_the_whole_gpu(menu):
+    """cuBLAS on the smallest prefill partition and the largest decode partition computes what it computes on
+    the whole GPU. (That a partition confines kernels to its SMs is shown by %smid above; how much slower a
+    GEMM runs there is a benchmark's business: bench/gpu_concurrency.py, bench/decode_partition.py.)"""
     import torch
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-
-    def timed(stream, reps=5):
-        with torch.cuda.stream(stream):
-            torch.mm(a, b, out=c)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(reps):
-                torch.mm(a, b, out=c)
-            e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / reps
-
-    full = timed(menu.full.stream)
-    small = timed(menu.prefill[28].stream)
-    assert small > 2.0 * full, (small, full)
-    ref = torch.mm(a, b)
-    stream = menu.decode[max(n for n in menu.decode if n < menu.num_sms)].stream
-    with torch.cuda.stream(stream):
-        out = torch.mm(a, b)
-    stream.synchronize()
-    assert torch.equal(out, ref) or (out - ref).abs().max() < 1e-2 * ref.abs().max()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = (a.double() @ b.double())
+    for side in (menu.prefill[min(menu.prefill)], menu.decode[max(n for n in menu.decode if n < menu.num_sms)],
+                 menu.full):
+        with torch.cuda.stream(side.stream):
+            out = torch.mm(a, b)
+        side.stream.synchronize()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (side.key, err)
