@@ -58,7 +58,7 @@ def main() -> None:
         by_policy[task.config.policy].append(res)
     sims = sum(len(r.runs) for r in results)
     cpu_name = platform.processor() or platform.machine()
-    print(f"\n{len(tasks)} configurations, {args.num_requests} requests each run, bisection to "
+    print(f"\n{len(tasks)} configurations, {args.num_requests} requests each run, capacity grid "
           f"{100 * args.rel_tol:g} %, {args.jobs} processes on {os.cpu_count()} cores ({cpu_name}), load "
           f"average {load:.2f} at start\n")
     print("| policy | configs | runs | runs / config | simulated | task CPU s | CPU s / simulated | "

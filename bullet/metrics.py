@@ -203,18 +203,25 @@ class Timeline:
     """Every launch as it came back: lane, SMs, layers, tokens and sequences per step, step end times, the
     prompt tokens its newly admitted requests found in the prefix cache, and -- when a ``probe`` is given --
     the server's state when the launch ended (before its results were applied): requests waiting, requests
-    running, KV blocks held. ``on_step`` plugs into ``serve(on_step=...)``."""
+    running, KV blocks held. ``on_step`` plugs into ``serve(on_step=...)``. With ``keep=False`` it only counts
+    launches and busy time (what a summary needs; a sweep's runs keep no rows)."""
 
-    def __init__(self, probe: Callable[[], tuple[int, int, int]] | None = None, kv_blocks: int | None = None) -> None:
+    def __init__(self, probe: Callable[[], tuple[int, int, int]] | None = None, kv_blocks: int | None = None,
+                 keep: bool = True) -> None:
         self.rows: list[tuple] = []
         self.busy: dict[str, float] = {}
+        self.launches = 0
         self.probe = probe
         self.kv_blocks = kv_blocks  # the pool's size, for the KV-used percentage
+        self.keep = keep
 
     def on_step(self, res: StepResult) -> None:
         b = res.batch
         lane = b.partition.lane
         self.busy[lane] = self.busy.get(lane, 0.0) + (res.end - res.start)
+        self.launches += 1
+        if not self.keep:
+            return
         state = self.probe() if self.probe is not None else (None, None, None)
         self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop,
                           sum([c.num_tokens for c in b.chunks]),  # b.num_tokens, without a generator

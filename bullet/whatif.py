@@ -637,7 +637,7 @@ def unit_key(task: Task) -> tuple:
 
 
 def _without_slo(cfg: Config) -> Config:
-    return replace(cfg, slo=None, slo_ttft=None, slo_tpot=None, slo_ttft_per_token=None)
+    return replace(cfg, **dict.fromkeys(SLO_FIELDS))
 
 
 def units(tasks: Sequence[Task]) -> list[list[int]]:
@@ -659,16 +659,21 @@ def run_unit(tasks: Sequence[Task]) -> list[TaskResult]:
     return out
 
 
+SLO_FIELDS = ("slo", "slo_ttft", "slo_tpot", "slo_ttft_per_token")
+
+
 def _nearest(task: Task, before: Sequence[Task], results: Sequence[TaskResult]) -> float | None:
-    """The finite capacity of the config before ``task`` that differs from it in the fewest settings (the
-    latest of those), or None."""
-    best, fewest = None, math.inf
+    """The finite capacity of the config before ``task`` that differs from it in the fewest settings other
+    than SLOs, then in the fewest SLOs (the latest of those), or None. (Same knobs first: for a policy that
+    does not read its SLOs, that config's simulations are shared, so searching from its answer is free.)"""
+    best, fewest = None, (math.inf, math.inf)
     for t, r in zip(before, results):
         if r.capacity is None or not 0 < r.capacity < math.inf:
             continue
-        differ = sum(getattr(t.config, f.name) != getattr(task.config, f.name) for f in fields(Config))
-        if differ <= fewest:
-            best, fewest = r.capacity, differ
+        differ = [f.name for f in fields(Config) if getattr(t.config, f.name) != getattr(task.config, f.name)]
+        slos = sum(name in SLO_FIELDS for name in differ)
+        if (len(differ) - slos, slos) <= fewest:
+            best, fewest = r.capacity, (len(differ) - slos, slos)
     return best
 
 
@@ -749,7 +754,7 @@ class _Search:
         watch = judge.watch if judge is not None and self.task.config.policy in PLANS_WITH_SLO else None
         try:
             summary = simulate(make(), self.model, self.gpu, self.sched, CacheConfig(), self.slo, self.latency,
-                               on_finish=on_finish, watch=watch).summary
+                               on_finish=on_finish, watch=watch, timeline=False).summary
         except _Verdict:
             if watch is None and (record is None or len(finished) > len(record[0])):
                 self.shared.records[key] = (finished, False)

@@ -147,7 +147,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              latency: LatencyModel | None = None,
              on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
              percentiles: Sequence[float] = PERCENTILES, token_times: bool = False,
-             watch: Callable[[Scheduler, list[Request]], None] | None = None) -> SimulationResult:
+             watch: Callable[[Scheduler, list[Request]], None] | None = None,
+             timeline: bool = True) -> SimulationResult:
     """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
     (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
     returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
@@ -156,7 +157,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     (``Request.token_times``); without it only the first and last are kept and the summary's inter-token
     latencies come from the pooled gaps (:class:`~bullet.metrics.TokenGaps`), so memory does not grow with
     output tokens. ``watch(scheduler, requests)`` is called once before serving with the scheduler and the
-    copies it serves, for a caller that follows their progress (``bullet whatif``'s early stop). The summary
+    copies it serves, for a caller that follows their progress (``bullet whatif``'s early stop).
+    ``timeline=False``: no per-launch rows (the summary's launch count and busy times are kept). The summary
     records the configuration (scheduler, cache, SLOs, model, GPU,
     latency model, bullet version)."""
     t0 = time.perf_counter()
@@ -169,21 +171,21 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     scheduler.keep_token_times(token_times)
     if watch is not None:
         watch(scheduler, requests)
-    timeline = Timeline(lambda: (len(scheduler.waiting), len(scheduler.running), kv.num_blocks - kv.num_free),
-                        kv.num_blocks)
+    line = Timeline(lambda: (len(scheduler.waiting), len(scheduler.running), kv.num_blocks - kv.num_free),
+                        kv.num_blocks, keep=timeline)
     front = scheduler if max_concurrency is None else ClientGate(scheduler, max_concurrency)
     gc_was_on = gc.isenabled()
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing
     try:
-        done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu), on_step=timeline.on_step,
+        done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu), on_step=line.on_step,
                      on_finish=on_finish)
     finally:
         if gc_was_on:
             gc.enable()
     cols = request_columns(done, slo)
-    summary = summarize(done, slo, timeline.busy, cols, percentiles, scheduler.gaps)
+    summary = summarize(done, slo, line.busy, cols, percentiles, scheduler.gaps)
     summary.update(policy=sched.policy, model=model.name, gpu=gpu.name, latency_model=latency_name(base),
-                   kv_blocks=kv.num_blocks, block_size=kv.block_size, launches=len(timeline.rows),
+                   kv_blocks=kv.num_blocks, block_size=kv.block_size, launches=line.launches,
                    prefix_caching=kv.prefix_caching, prefix_cache_hit_tokens=scheduler.hit_tokens,
                    prefix_cache_query_tokens=scheduler.query_tokens,
                    prefix_cache_hit_rate=(scheduler.hit_tokens / scheduler.query_tokens
@@ -193,7 +195,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
                          "bullet_version": __version__}
     wall = time.perf_counter() - t0
     summary["sim_wall_s"] = wall
-    return SimulationResult(done, cols, summary, timeline, wall)
+    return SimulationResult(done, cols, summary, line, wall)
 
 
 def _plain(d: dict) -> dict:

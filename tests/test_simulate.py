@@ -110,3 +110,12 @@ def test_without_token_times_the_metrics_are_the_same(policy):
     assert a == b
     assert itl_b["mean"] == pytest.approx(itl_a["mean"], rel=1e-12)
     assert {k: v for k, v in itl_a.items() if k != "mean"} == {k: v for k, v in itl_b.items() if k != "mean"}
+
+
+def test_without_timeline_rows_the_summary_is_the_same():
+    reqs, cfg = requests(), SchedulerConfig(policy="static-split")
+    full, light = simulate(reqs, MODEL, GPU, cfg), simulate(reqs, MODEL, GPU, cfg, timeline=False)
+    assert light.timeline.rows == [] and full.timeline.launches == len(full.timeline.rows)
+    a, b = dict(full.summary), dict(light.summary)
+    a.pop("sim_wall_s"), b.pop("sim_wall_s")
+    assert a == b
