@@ -63,7 +63,7 @@ def whatif(
                                             "--num-requests")] = None,
     target_attainment: Annotated[str | None, _opt(SEARCH, "SLO attainment a capacity must reach. [0.9]")] \
         = None,
-    rel_tol: Annotated[str | None, _opt(SEARCH, "Bisection resolution, a fraction of the capacity. [0.02]")]
+    rel_tol: Annotated[str | None, _opt(SEARCH, "Resolution of the capacity search: rates on a grid of this relative step. [0.02]")]
     = None,
     windows: Annotated[str | None, _opt(SEARCH, "Replicates over K consecutive trace windows (mean and "
                                                 "spread reported). [1]")] = None,
@@ -97,8 +97,8 @@ def whatif(
     as_json: Annotated[bool, _opt(RUN, "Print the results as JSON on stdout.", "--json")] = False,
 ) -> None:
     """Sweep policies, knobs, SLOs, models, GPUs and traces; for each configuration find its capacity (the
-    highest request rate meeting the SLO attainment target) by bisection over the trace rescaled to each
-    rate, in parallel. Prints a table; --out writes CSV/Parquet and plots."""
+    highest request rate meeting the SLO attainment target) by a search over a fixed grid of rates (the trace
+    rescaled to each), in parallel. Prints a table; --out writes CSV/Parquet and plots."""
     if ctx.args:
         raise fail(f"unknown option {ctx.args[0]!r}; settings a sweep can vary: "
                    + ", ".join(lib.flag_of(n) for n in AXES))

@@ -346,6 +346,8 @@ def test_limits_and_malformed_fields_are_named(small):
     assert code == 400 and "text parts" in msg
     assert post(small, "/detokenize", {"tokens": [-1]}).status_code == 400
     assert post(small, "/tokenize", {"prompt": "\ud800"}).status_code == 400
+    r = post(small, "/tokenize", {"messages": []})  # found by the fuzz test below: it was a 500
+    assert r.status_code == 400 and "messages" in r.text
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

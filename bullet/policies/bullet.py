@@ -40,7 +40,7 @@ from typing import NamedTuple
 from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
-from ..perfmodel.base import step_times
+from ..perfmodel.base import batch_work, step_times
 from ..request import Request
 from .base import LayerSliced, SchedulingError
 
@@ -147,7 +147,7 @@ class Bullet(LayerSliced):
             p = self.N - d_cur
         batch = Batch(Partition("prefill", p), layers, chunks)
         dec = self.inflight.get("decode")
-        co = work_of(dec[0], L) if dec else None
+        co = batch_work(self.latency, dec[0], L) if dec else None  # the simulator asks for it too
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
         self._slice_work = work
         return self._launch("prefill", batch, reqs)
@@ -194,7 +194,7 @@ class Bullet(LayerSliced):
 
     def _note_decode_end(self, batch: Batch | None, now: float, co: Work | None, co_sms: int) -> None:
         if batch is not None:
-            times = step_times(self.latency, work_of(batch, self.model.num_layers), batch.steps,
+            times = step_times(self.latency, batch_work(self.latency, batch, self.model.num_layers), batch.steps,
                                batch.partition.num_sms, co, co_sms)
             self.decode_until = now + float(times.sum())
 

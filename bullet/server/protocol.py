@@ -116,7 +116,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)  # as the chat route asks (else a 500 there)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
