@@ -136,6 +136,29 @@ def test_serve_through_prefill_graphs_matches_reference(weights, policy, cfg, la
     assert graphed and executor.prefill_replays >= len(graphed)
 
 
+def test_prepare_graphs_captures_each_policys_lanes_and_ranges(weights):
+    """prepare_graphs captures prefill graphs for the lanes and layer ranges each policy launches (on the CPU
+    every partition is the one host "side", so the keys show lanes, buckets and ranges)."""
+    from bullet.gpu.executor import prepare_graphs
+
+    L, gpu = SPEC.num_layers, GPUS["h200"]
+    cases = {
+        SchedulerConfig(policy="chunked"): {"all": [range(L)]},
+        SchedulerConfig(policy="static-split", layers_per_step=1): {"prefill": [range(i, i + 1) for i in range(L)]},
+        SchedulerConfig(policy="bullet", layers_per_step=1, decode_sizes=(16, 40)):
+            {"prefill": [*(range(i, i + 1) for i in range(L)), range(L)]},
+    }
+    for cfg, want in cases.items():
+        ex = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=32, seed=SEED, weights=weights,
+                         token_buckets=(16, 32), graph_max_seqs=4)
+        counts = prepare_graphs(ex, cfg, gpu)
+        got = {lane: sorted({(k[2], k[3]) for k in pg.graphs}) for lane, pg in ex.prefill_graphs.items()}
+        assert got == {lane: sorted((r.start, r.stop) for r in rs) for lane, rs in want.items()}, cfg.policy
+        assert counts["prefill"] == 2 * sum(len(rs) for rs in want.values())  # two token buckets each
+        assert all(k[1] in (16, 32) for pg in ex.prefill_graphs.values() for k in pg.graphs)
+        ex.close()
+
+
 def test_preemption_recompute_matches_reference(weights):
     """A pool too small for everyone: preempted requests recompute prompt and outputs they already have."""
     reqs = [Request(i, 0.0, 10 + 3 * i, 8) for i in range(6)]
