@@ -3,7 +3,9 @@ acceptance): for each policy a server is started (prefix caching off, as in the 
 same prompts again), each rate's requests are streamed to it by `bullet bench`
 (the trace's arrivals rescaled to the rate, ignore_eos so every request generates its trace length), the
 server is stopped, and `bullet simulate` runs the same trace, rate, policy and latency model. Prints failed
-requests and TTFT / TPOT (mean, p50, p90) real vs simulated.
+requests, TTFT / TPOT (mean, p50, p90) real (client side) vs simulated, and the server's own mean TTFT, ITL and
+E2E over the run (its /metrics histograms: request received to token sampled, no HTTP delivery), which tells the
+engine's delay from the server's.
 
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
@@ -27,6 +29,35 @@ CLI = [sys.executable, "-m", "bullet.cli"]
 POLICY_FLAGS = {"chunked": ["--max-num-batched-tokens", "2048"], "static-split": ["--prefill-sms", "92"],
                 "bullet": ["--decode-sizes", "16,32,48,64,80,96,112"],  # 8 sizes of decode graphs, not 15
                 "prefill-first": [], "naive-concurrent": []}
+
+
+SERVER_SIDE = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
+               "e2e": "vllm:e2e_request_latency_seconds"}
+
+
+def scrape(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's own latency histograms (seconds; its clock: request received to token
+    sampled, no delivery), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for key, name in SERVER_SIDE.items():
+            if fam.name == name.removesuffix("_seconds") or fam.name == name:
+                vals = {s.name.rsplit("_", 1)[-1]: s.value for s in fam.samples if s.name.endswith(("_sum", "_count"))}
+                out[key] = (vals.get("sum", 0.0), vals.get("count", 0.0))
+    return out
+
+
+def server_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms of each server-side histogram over one bench run (the difference of two scrapes)."""
+    out = {}
+    for key in SERVER_SIDE:
+        (s0, c0), (s1, c1) = before.get(key, (0.0, 0.0)), after.get(key, (0.0, 0.0))
+        out[key] = 1e3 * (s1 - s0) / (c1 - c0) if c1 > c0 else float("nan")
+    return out
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -79,12 +110,14 @@ def main() -> None:
             real = {}
             for rate in args.rates:
                 path = args.out / f"bench_{policy}_{rate:g}.json"
+                before = scrape(url)
                 res = subprocess.run([*CLI, "bench", "--base-url", url, *work, "--request-rate", str(rate),
                                       "--json", str(path)], check=False, capture_output=True, text=True)
                 if res.returncode not in (0, 1) or not path.exists():
                     proc.send_signal(signal.SIGTERM)
                     sys.exit(f"bullet bench failed ({res.returncode}):\n{(res.stdout + res.stderr)[-2000:]}")
                 real[rate] = json.loads(path.read_text())
+                real[rate]["server_side_ms"] = server_means(before, scrape(url))
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         for rate in args.rates:
@@ -96,8 +129,8 @@ def main() -> None:
             sim = json.loads(res.stdout)
             rows.append((policy, rate, real[rate], sim))
     print("\n| policy | rate | failed | TTFT mean real / sim ms (err) | TTFT p50 | TTFT p90 | TPOT mean real / sim ms "
-          "(err) | TPOT p50 | TPOT p90 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     (args.out / "results.json").write_text(json.dumps(
         [{"policy": p, "rate": r, "real": real, "sim": sim} for p, r, real, sim in rows], indent=1))
     for policy, rate, real, sim in rows:
@@ -107,6 +140,8 @@ def main() -> None:
             for q in ("mean", "p50", "p90"):
                 a, b = r[m][q], s[m][q]
                 cells.append(f"{a:.1f} / {b:.1f} ({100 * (b / a - 1):+.0f} %)")
+        sv = real["server_side_ms"]
+        cells.append(f"{sv['ttft']:.1f} / {sv['itl']:.1f} / {sv['e2e']:.1f}")
         print(f"| {policy} | {rate:g} | {real.get('failed', 0)} | " + " | ".join(cells) + " |")
 
 
