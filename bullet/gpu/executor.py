@@ -280,9 +280,7 @@ class GpuExecutor:
         mode. Returns how many graphs the lane has. On the CPU the "graphs" re-run the same body (tests)."""
         if self.cuda and not self.use_graphs:
             return 0
-        pg = self.prefill_graphs.get(lane)
-        if pg is None:
-            pg = self.prefill_graphs[lane] = PrefillGraphs(self.model, self.kv, self.device, **self._pgraph_args)
+        pg = self._lane_prefill_graphs(lane)
         side = self.menu.side(lane, num_sms) if self.cuda else None
         for b in buckets or pg.buckets:
             for layers in layer_ranges or (range(self.spec.num_layers),):
@@ -295,16 +293,19 @@ class GpuExecutor:
         False where none can serve it (too many tokens or chunks, or one-token rows only: decode graphs)."""
         if all(c.num_tokens == 1 for c in batch.chunks) or (self.cuda and not self.use_graphs):
             return False
-        pg = self.prefill_graphs.get(batch.lane)
-        if pg is None:
-            pg = self.prefill_graphs[batch.lane] = PrefillGraphs(self.model, self.kv, self.device,
-                                                                 **self._pgraph_args)
+        pg = self._lane_prefill_graphs(batch.lane)
         b = pg.bucket(batch.chunks)
         if b is None:
             return False
         side = self.menu.side(batch.lane, batch.partition.num_sms) if self.cuda else None
         pg.capture(side, b, batch.layers, greedy)
         return True
+
+    def _lane_prefill_graphs(self, lane: Lane) -> PrefillGraphs:
+        pg = self.prefill_graphs.get(lane)
+        if pg is None:
+            pg = self.prefill_graphs[lane] = PrefillGraphs(self.model, self.kv, self.device, **self._pgraph_args)
+        return pg
 
     @property
     def prefill_graph_limits(self) -> dict:

@@ -35,6 +35,7 @@ from .fitted import (
     HOST_Q,
     SHAPE_KEYS,
     FittedModel,
+    GraphLimits,
     Quantities,
     basis_table,
     spec_dict,
@@ -244,12 +245,6 @@ def gpu_bound(r: dict) -> bool:
     return r["gpu_s"] > GPU_BOUND * r["host_s"]
 
 
-def graphed(prof: Profile, r: dict) -> bool:
-    """A prefill or mixed point that replayed a prefill graph (the profile's ``prefill_graphs`` limits)."""
-    g = prof.meta.get("prefill_graphs")
-    return bool(g) and not is_decode(r) and r["tokens"] <= g["max_tokens"] and r["seqs"] <= g["max_seqs"]
-
-
 # ---------------------------------------------------------------------------------------------- fitting
 
 def _design(q: Quantities, terms, items: list[tuple[dict, int]]) -> np.ndarray:
@@ -288,10 +283,11 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
     fit("decode_first", [(q.decode(work_of_row(r), r["sms"]), r["sms"]) for r in solo_dec],
         [r["first_s"] for r in solo_dec])
     solo_eager = [r for r in rows if is_solo(r) and not is_decode(r) and gpu_bound(r)]
-    pad = FittedModel(_assemble(prof, terms, kernels, {}, {})).padded  # graphed launches: the bucket's rows
+    graphs = GraphLimits.of(prof.meta.get("prefill_graphs"))  # graphed launches: bucket rows, no host term
+    pad = (lambda w: w) if graphs is None else graphs.padded
     fit("eager", [(q.eager(pad(work_of_row(r)), r["sms"]), r["sms"]) for r in solo_eager],
         [r["gpu_s"] for r in solo_eager])
-    eager_all = [r for r in rows if not is_decode(r) and not graphed(prof, r)]  # graph replays: no host term
+    eager_all = [r for r in rows if not is_decode(r) and not (graphs and graphs.serves(work_of_row(r)))]
     fit("host", [(q.host(work_of_row(r)), 0) for r in eager_all], [r["host_s"] for r in eager_all])
     # contention: measured over the stand-alone prediction of the model fitted so far
     model = _assemble(prof, terms, kernels, coef, counts)

@@ -55,7 +55,7 @@ import json
 import math
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -287,6 +287,32 @@ class Linear:
         return out, self.w_kv[n], self.w_longest[n]
 
 
+class GraphLimits(NamedTuple):
+    """The prefill graphs a profile ran with (its metadata's ``prefill_graphs``): launches of up to
+    ``max_tokens`` tokens and ``max_seqs`` chunks replay one, computing every row of their token bucket."""
+
+    max_tokens: int
+    max_seqs: int
+    buckets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, g: dict | None) -> GraphLimits | None:
+        if not g:
+            return None
+        return cls(int(g["max_tokens"]), int(g["max_seqs"]), tuple(sorted(int(b) for b in g.get("buckets", ()))))
+
+    def serves(self, work: Work) -> bool:
+        """A prefill or mixed launch within the limits (decode launches have their own graphs)."""
+        return work.tokens != work.seqs and work.tokens <= self.max_tokens and work.seqs <= self.max_seqs
+
+    def padded(self, work: Work) -> Work:
+        """The Work a served launch really computes: its bucket's rows through the GEMMs and elementwise
+        kernels (attention only over the real ones)."""
+        if not self.buckets or not self.serves(work):
+            return work
+        return work._replace(tokens=next(b for b in self.buckets if b >= work.tokens))
+
+
 class FittedModel:
     """The fitted latency model: ``FittedModel.load(path, model=spec, gpu=gpu)``, or from the dict that
     ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
@@ -307,9 +333,7 @@ class FittedModel:
             self.q = Quantities(self.spec, N, self.kernels)
             fam = data["families"]
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
-            g = data.get("prefill_graphs")
-            self.graph_limits = None if g is None else (int(g["max_tokens"]), int(g["max_seqs"]))
-            self.graph_buckets = tuple(sorted(int(b) for b in (g or {}).get("buckets", ())))
+            self.graphs = GraphLimits.of(data.get("prefill_graphs"))
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
@@ -419,16 +443,12 @@ class FittedModel:
         return const + kv * w_kv + longest * w_longest
 
     def padded(self, work: Work) -> Work:
-        """The Work a launch really computes: a graphed one runs every row of its token bucket through the
-        GEMMs and elementwise kernels (attention only over the real ones)."""
-        if not self.graph_buckets or not self.graphed(work):
-            return work
-        return work._replace(tokens=next(b for b in self.graph_buckets if b >= work.tokens))
+        """The Work a launch really computes (see :meth:`GraphLimits.padded`)."""
+        return work if self.graphs is None else self.graphs.padded(work)
 
     def graphed(self, work: Work) -> bool:
         """A prefill or mixed launch a prefill graph serves (the profile's limits)."""
-        g = self.graph_limits
-        return g is not None and work.tokens <= g[0] and work.seqs <= g[1]
+        return self.graphs is not None and self.graphs.serves(work)
 
     def host_time(self, work: Work) -> float:
         """Host seconds of an eager launch (``GpuExecutor.launch``); 0 for one a prefill graph serves (its
