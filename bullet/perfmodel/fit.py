@@ -68,8 +68,9 @@ def default_terms(num_sms: int, knots=KNOTS) -> dict[str, list[tuple[str, str]]]
     dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
             ("layers", "one"), ("launch", "one")]
     eager = [(q, b) for q in ("gemm_flops", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens") for b in ks]
-    eager += [("gemm_flops", "full"), ("gemm_waves", "one"), ("samples", "one"), ("layers", "one"),
-              ("launch", "one")]
+    eager += [("eager_tokens", b) for b in ks]
+    eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
+              ("samples", "one"), ("layers", "one"), ("launch", "one")]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
             "co_eager": [(q, "one") for q in CO_Q], "co_decode": [(q, "one") for q in CO_Q]}
@@ -285,7 +286,9 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
     solo_eager = [r for r in rows if is_solo(r) and not is_decode(r) and gpu_bound(r)]
     graphs = GraphLimits.of(prof.meta.get("prefill_graphs"))  # graphed launches: bucket rows, no host term
     pad = (lambda w: w) if graphs is None else graphs.padded
-    fit("eager", [(q.eager(pad(work_of_row(r)), r["sms"]), r["sms"]) for r in solo_eager],
+    served = (lambda w: False) if graphs is None else graphs.serves
+    fit("eager", [(q.eager(pad(work_of_row(r)), r["sms"], served(work_of_row(r))), r["sms"])
+                  for r in solo_eager],
         [r["gpu_s"] for r in solo_eager])
     eager_all = [r for r in rows if not is_decode(r) and not (graphs and graphs.serves(work_of_row(r)))]
     fit("host", [(q.host(work_of_row(r)), 0) for r in eager_all], [r["host_s"] for r in eager_all])

@@ -10,7 +10,9 @@ layers) times an *SM basis* function of the partition's SM count ``n``:
 * ``one``: 1 (the quantity already depends on ``n``, e.g. GEMM waves = ceil(tiles / n) x tile FLOPs, or
   does not scale with SMs: per-kernel overheads, the longest decode-attention program).
 * ``full``: 1 on the whole GPU (an ordinary stream: cuBLAS and the graphs see all SMs), 0 on a green
-  context.
+  context; ``part``: the reverse. Small launches on any green context run ~1.5x longer than on the whole
+  GPU (a 256-token prefill: 11.3-11.9 ms on 84-116 SMs, 7.7 ms on all 132), a step no ``k<K>`` sum can
+  make: ``part`` terms carry it.
 
 Families (what is fitted to what in ``points.csv``; ``bullet/perfmodel/fit.py``):
 
@@ -197,7 +199,9 @@ class Quantities:
         mk = w.max_kv or w.kv_read // max(1, w.seqs)
         return float(max(0, min(w.kv_read, mk) - w.tokens))
 
-    def eager(self, w: Work, n) -> dict:
+    def eager(self, w: Work, n, graphed: bool = False) -> dict:
+        """An eager or graphed prefill/mixed launch; ``eager_tokens`` are the tokens of one no prefill graph
+        serves (eager launches run each kernel slower than a graph replay of the same kernels)."""
         L, t = float(w.num_layers), float(w.tokens)
         p = self.prefix(w)
         return {
@@ -209,6 +213,7 @@ class Quantities:
             "prefix_kv": L * p * self.kv_bytes * 1e-9,
             "kv": L * w.kv_read * self.kv_bytes * 1e-9,
             "tokens": L * t * 1e-6,
+            "eager_tokens": 0.0 if graphed else L * t * 1e-6,
             "seq_layers": L * w.seqs * 1e-3,
             "samples": w.samples * 1e-3,
             "layers": L * 1e-3,
@@ -235,6 +240,10 @@ def basis_table(name: str, num_sms: int) -> np.ndarray:
     if name == "full":
         out = np.zeros(num_sms + 1)
         out[num_sms] = 1.0
+        return out
+    if name == "part":  # a green-context partition (any SM count below the whole GPU)
+        out = np.ones(num_sms + 1)
+        out[num_sms] = 0.0
         return out
     if name.startswith("k") and name[1:].isdigit():
         return num_sms / np.minimum(n, float(int(name[1:])))
@@ -392,7 +401,7 @@ class FittedModel:
             if co is not None and np.any(co_sms):
                 t = t * (1.0 + self._slowdown("co_decode", n, co, co_sms, arr))
             return t
-        qv = self.q.eager(self.padded(work), n)
+        qv = self.q.eager(self.padded(work), n, self.graphed(work))
         t = self.f["eager"].array(qv, n) if arr else self.f["eager"].scalar(qv, n)
         if co is not None and np.any(co_sms):
             t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr))
@@ -461,7 +470,7 @@ class FittedModel:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
         if work.tokens == work.seqs:
             return self._decode_step("decode_first", work, n)
-        return self.f["eager"].scalar(self.q.eager(self.padded(work), n), n)
+        return self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
 
     def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
         """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``."""
@@ -482,7 +491,7 @@ class FittedModel:
     def _co_alone_array(self, co: Work, csm: np.ndarray) -> np.ndarray:
         if co.tokens == co.seqs:
             return self.f["decode_first"].array(self.q.decode(co, csm), csm)
-        return self.f["eager"].array(self.q.eager(co, csm), csm)
+        return self.f["eager"].array(self.q.eager(self.padded(co), csm, self.graphed(co)), csm)
 
     def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool):
         qv = self.co_features(n, co, co_sms, arr)
