@@ -27,11 +27,13 @@ def validate(
     = "dummy",
     device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), or 'cpu' (the tiny model: tests).")] = "cuda",
     gpu: Annotated[str, typer.Option(help="GPU preset the simulator and the policy plan for.")] = "h200",
-    trace: Annotated[str, typer.Option(help="Trace file or bundled trace name.")] = "sharegpt",
+    trace: Annotated[str, typer.Option(help="Trace file or bundled trace name; several, comma-separated, are "
+                                            "served in turn on one executor.")] = "sharegpt",
     num_requests: Annotated[int, typer.Option(help="Requests served (the trace's first N after --start).",
                                               min=1)] = 200,
-    rate: Annotated[float | None, typer.Option(help="Request rate (req/s); default: the trace's timing.")]
-    = None,
+    rate: Annotated[str | None, typer.Option(help="Request rate (req/s); default: the trace's timing. "
+                                                  "Several, comma-separated (e.g. 3,6,9: light, medium, near "
+                                                  "capacity), are served in turn on one executor.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of synthetic arrivals and prompt ids.")] = 0,
     start: Annotated[int, typer.Option(help="Skip this many trace rows first.", min=0)] = 0,
     max_prompt: Annotated[int | None, typer.Option(help="Leave out prompts longer than this.")] = None,
@@ -79,16 +81,23 @@ def validate(
                               layers_per_step=layers_per_step, decode_sizes=sizes)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         lat = latency_model(latency, spec, gpu_spec)
+        traces, rates = parse_list(trace, str, "--trace"), parse_list(rate, float, "--rate") if rate else [None]
+        if any(r is not None and not r > 0 for r in rates):
+            raise ConfigError(f"--rate must be positive, got {rate!r}")
 
-        def make_requests():
-            reqs = load_trace(trace, num_requests=num_requests, rate=rate, seed=seed, start=start)
-            reqs = [r for r in reqs if max_prompt is None or r.prompt_len <= max_prompt]
-            if any(r.hash_ids is not None for r in reqs):
-                reqs = materialize_prompt_ids(reqs, spec.vocab_size, seed=seed)
-            return reqs
+        def requests_of(tr: str, rt: float | None):
+            def make_requests():
+                reqs = load_trace(tr, num_requests=num_requests, rate=rt, seed=seed, start=start)
+                reqs = [r for r in reqs if max_prompt is None or r.prompt_len <= max_prompt]
+                if any(r.hash_ids is not None for r in reqs):
+                    reqs = materialize_prompt_ids(reqs, spec.vocab_size, seed=seed)
+                return reqs
+            return make_requests
 
-        if not make_requests():  # bad trace input fails here, before the executor is built
-            raise ConfigError(f"no requests left to serve from {trace} (--max-prompt {max_prompt})")
+        runs = [(tr, rt, requests_of(tr, rt)) for tr in traces for rt in rates]
+        for tr, _, make in runs[::len(rates)]:  # bad trace input fails here, before the executor is built
+            if not make():
+                raise ConfigError(f"no requests left to serve from {tr} (--max-prompt {max_prompt})")
     except (ConfigError, TraceError, ValueError) as e:
         raise fail(str(e)) from None
     try:
@@ -107,27 +116,63 @@ def validate(
             if warmup:
                 ex.warmup()
             prepare_graphs(ex, cfg, gpu_spec, prefill=prefill_graphs)
+    reports = []
     try:
-        with console.status(f"serving {num_requests} requests, then simulating them"):
-            rep = lib.validate(make_requests, ex, spec, gpu_spec, cfg, slo, lat, ex.kv.num_blocks,
-                               ex.kv.block_size, prefix_caching)
+        for i, (tr, rt, make) in enumerate(runs, 1):
+            where = f"{tr}" + ("" if rt is None else f" @ {rt:g} req/s")
+            with console.status(f"run {i}/{len(runs)} ({where}): serving {num_requests} requests, then "
+                                f"simulating them"):
+                rep = lib.validate(make, ex, spec, gpu_spec, cfg, slo, lat, ex.kv.num_blocks,
+                                   ex.kv.block_size, prefix_caching)
+            reports.append((tr, rt, rep))
+            title = f"{policy} · {spec.name} · {where} · {num_requests} requests"
+            if out is not None:
+                folder = out if len(runs) == 1 else out / (Path(tr).stem + ("" if rt is None else f"@{rt:g}"))
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / "report.json").write_text(json.dumps(rep.to_json(), indent=1, default=float) + "\n")
+                try:
+                    lib.plot_cdfs(rep, folder / "cdf.png", title)
+                except ImportError:
+                    console.print("matplotlib missing: no cdf.png")
+            if not as_json:
+                print_report(rep, title, max_error, console)
     finally:
         ex.close()
-    title = f"{policy} · {spec.name} · {trace} · {num_requests} requests"
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(rep.to_json(), indent=1, default=float) + "\n")
-        try:
-            lib.plot_cdfs(rep, out / "cdf.png", title)
-        except ImportError:
-            console.print("matplotlib missing: no cdf.png")
     if as_json:
-        json.dump(rep.to_json(), sys.stdout, indent=1, default=float)
+        doc = reports[0][2].to_json() if len(reports) == 1 else \
+            {"runs": [{"trace": tr, "rate": rt, **rep.to_json()} for tr, rt, rep in reports]}
+        json.dump(doc, sys.stdout, indent=1, default=float)
         sys.stdout.write("\n")
-    else:
-        print_report(rep, title, max_error, console)
-    if rep.worst() * 100 > max_error:
+    elif len(reports) > 1:
+        print_summary(reports, policy, max_error, console)
+    if max(rep.worst() for *_, rep in reports) * 100 > max_error:
         raise typer.Exit(1)
+
+
+def parse_list(text: str, kind, flag: str) -> list:
+    """A comma-separated flag value as a list of ``kind``; ConfigError naming the flag otherwise."""
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if not items:
+        raise ConfigError(f"{flag} is empty")
+    return items
+
+
+def print_summary(reports, policy: str, max_error: float, console: Console) -> None:
+    """One row per run: the gated errors side by side."""
+    t = Table(title=f"{policy} · simulator error per run (gated at {max_error:g} %)", title_justify="left")
+    cols = [name for name in ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")]
+    for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst"):
+        t.add_column(col, justify="left" if col == "trace" else "right")
+    for tr, rt, rep in reports:
+        err = {r["metric"]: 100 * r["error"] for r in rep.rows}
+        cells = [f"{err[c]:+.1f} %" for c in cols]
+        worst = 100 * rep.worst()
+        mark = "[red]✗[/red]" if worst > max_error else "[green]✓[/green]"
+        t.add_row(str(tr), "trace" if rt is None else f"{rt:g}", *cells, f"{worst:.1f} % {mark}")
+    console.print(t)
 
 
 def print_report(rep, title: str, max_error: float, console: Console) -> None:

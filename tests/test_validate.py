@@ -4,6 +4,7 @@ error on every metric (the comparison adds nothing of its own); the command end 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,26 @@ def test_validate_command_on_the_cpu(tmp_path):
                      (["--max-prompt", "5"], "no requests left")):
         res = runner.invoke(app, [*args, *bad])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
+
+
+def test_validate_serves_several_traces_and_rates_on_one_executor(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("num_prefill_tokens,num_decode_tokens\n30,4\n12,6\n50,3\n9,2\n")
+    b.write_text("num_prefill_tokens,num_decode_tokens\n8,5\n25,2\n40,3\n")
+    args = ["validate", "--device", "cpu", "--model", "tiny-llama", "--trace", f"{a},{b}", "--num-requests", "3",
+            "--rate", "40, 80", "--latency", "roofline", "--max-error", "1e9"]
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)["runs"]
+    assert [(Path(r["trace"]).name, r["rate"]) for r in runs] == [("a.csv", 40.0), ("a.csv", 80.0),
+                                                                  ("b.csv", 40.0), ("b.csv", 80.0)]
+    assert [r["real"]["requests"] for r in runs] == [3, 3, 3, 3]
+    assert all(r["real"]["requests"] == r["sim"]["requests"] for r in runs)
+    res = runner.invoke(app, [*args, "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, res.output
+    assert "simulator error per run" in res.output
+    assert sorted(p.parent.name for p in (tmp_path / "v").glob("*/report.json")) == ["a@40", "a@80", "b@40",
+                                                                                     "b@80"]
+    for bad in ("x,2", "0", ","):
+        res = runner.invoke(app, [*args[:-2], "--rate", bad])
+        assert res.exit_code == 2 and "--rate" in res.output and "Traceback" not in res.output, res.output
