@@ -48,6 +48,7 @@ class SimExecutor:
         self._flights: dict[Lane, _Flight] = {}
         self._done: list[StepResult] = []
         self._tokens = 0
+        self._pending: float | None = None  # a launch ended then: the other lane's re-time, not yet done
 
     def now(self) -> float:
         return self._now
@@ -66,6 +67,7 @@ class SimExecutor:
         now = self._now
         work = batch_work(self.latency, batch, self.num_layers)
         self._flights[lane] = _Flight(batch, work, now, None, mark=now)
+        self._pending = None  # (pending since now: this re-time covers it, see _finish)
         self._retime(now)
 
     def _co(self, f: _Flight) -> tuple[Work | None, int]:
@@ -114,10 +116,19 @@ class SimExecutor:
             ends[-1] = end
         self._done.append(StepResult(f.batch, f.start, end, ends, None))
         if self._flights:
-            self._retime(end)
+            # The other lane runs alone from now on, but the engine usually launches on this lane at once:
+            # re-time it then (or at the next wait). A re-time at the same instant adds no progress and
+            # the same knot, so skipping this one changes no number.
+            self._pending = end
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            now, self._pending = self._pending, None
+            self._retime(now)
 
     def wait(self, until: float | None) -> list[StepResult]:
         if not self._done:
+            self._settle()
             events = self._events
             first = min(self._flights.values(), key=lambda f: f.end, default=None)
             if first is not None and (until is None or first.end <= until):
@@ -127,11 +138,13 @@ class SimExecutor:
                     self._finish(lane, t)
                     if t == token:
                         break
+                    self._settle()
             elif until is not None and until > self._now:
                 stop = self._now + (until - self._now)
                 while events and events[0][0] < stop:  # stale entries (a live one only by rounding)
                     self._now, t, lane = heappop(events)
                     self._finish(lane, t)
+                    self._settle()
                 self._now = stop
         done, self._done = self._done, []
         return done

@@ -109,6 +109,13 @@ def batch_work(latency: LatencyModel, batch: Batch, total_layers: int) -> Work:
     return work_of(batch, total_layers)
 
 
+def note_work(latency: LatencyModel, batch: Batch, total_layers: int, work: Work) -> None:
+    """Tell a :class:`CachedLatency` that ``work == work_of(batch, total_layers)``, computed by a policy on its
+    way to the launch (the simulator then asks :func:`batch_work` for it); other models keep nothing."""
+    if isinstance(latency, CachedLatency):
+        latency.remember(batch, total_layers, work)
+
+
 def step_ends(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
               co_sms: int = 0) -> np.ndarray:
     """``np.cumsum(step_times(...))``: each step's end, seconds after the launch starts. Memoised by a
@@ -156,7 +163,7 @@ class CachedLatency:
         entries are those of the first ``k`` steps' sum: the same numbers)."""
         key = (first, num_sms, co, co_sms)
         if key != self._ekey or steps > len(self._ends):
-            self._ekey, self._ends = key, np.cumsum(step_times(self, first, steps, num_sms, co, co_sms))
+            self._ekey, self._ends = key, step_times(self, first, steps, num_sms, co, co_sms).cumsum()
         return self._ends[:steps]
 
     def work_of(self, batch: Batch, total_layers: int) -> Work:
@@ -165,7 +172,11 @@ class CachedLatency:
         if hit is not None and hit[0] is batch and hit[1] == total_layers:
             return hit[2]
         work = work_of(batch, total_layers)
+        self.remember(batch, total_layers, work)
+        return work
+
+    def remember(self, batch: Batch, total_layers: int, work: Work) -> None:
+        """Keep ``work`` as ``work_of(batch, total_layers)`` (the caller computed it)."""
         if len(self._works) >= 8:
             self._works.clear()
         self._works[id(batch)] = (batch, total_layers, work)
-        return work

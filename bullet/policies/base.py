@@ -18,7 +18,7 @@ from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..metrics import TokenGaps
 from ..perfmodel import LatencyModel, Work
-from ..perfmodel.base import step_ends
+from ..perfmodel.base import note_work, step_ends
 from ..request import Request
 
 
@@ -276,15 +276,15 @@ class Scheduler:
         if extra > 0 and n * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
             tables = kv.tables
             extra = self._kv_steps([len(tables[r.id]) * bs - e for r, e in zip(reqs, ends)], extra)
+        kv_end = sum(ends)
+        tokens = kv_end - sum([c.start for c in chunks])
+        if tokens == n:  # one token each: n * start + n * (n + 1) / 2 is start + 1
+            pairs = float(kv_end)
+        else:  # integers summed exactly, as work_of() sums them in floats
+            pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
+                               for c in chunks]))
+        work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends))  # == work_of()
         if extra > 0 and horizon is not None:
-            kv_end = sum(ends)
-            tokens = kv_end - sum([c.start for c in chunks])
-            if tokens == n:  # one token each: n * start + n * (n + 1) / 2 is start + 1
-                pairs = float(kv_end)
-            else:  # integers summed exactly, as work_of() sums them in floats
-                pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
-                                   for c in chunks]))
-            work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends))  # == work_of()
             cum = step_ends(self.latency, work, extra + 1, partition.num_sms, co, co_sms)
             # steps that start before the horizon run (the one crossing it included, as unfused steps do)
             extra = min(extra, int(cum.searchsorted(horizon - now)))
@@ -292,7 +292,9 @@ class Scheduler:
             kv.grow([(r.id, e + extra) for r, e in zip(reqs, ends)])
         else:
             extra = 0
-        return self._launch(lane, Batch(partition, self.all_layers, tuple(chunks), extra + 1), reqs)
+        batch = Batch(partition, self.all_layers, tuple(chunks), extra + 1)
+        note_work(self.latency, batch, self.model.num_layers, work)  # the simulator needs it too
+        return self._launch(lane, batch, reqs)
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;

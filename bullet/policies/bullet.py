@@ -40,7 +40,7 @@ from typing import NamedTuple
 from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
-from ..perfmodel.base import batch_work, step_times
+from ..perfmodel.base import batch_work, note_work, step_times
 from ..request import Request
 from .base import LayerSliced, SchedulingError
 
@@ -146,6 +146,7 @@ class Bullet(LayerSliced):
                 return None
             p = self.N - d_cur
         batch = Batch(Partition("prefill", p), layers, chunks)
+        note_work(self.latency, batch, L, work)
         dec = self.inflight.get("decode")
         co = batch_work(self.latency, dec[0], L) if dec else None  # the simulator asks for it too
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
