@@ -5,7 +5,9 @@ same prompts again), each rate's requests are streamed to it by `bullet bench`
 server is stopped, and `bullet simulate` runs the same trace, rate, policy and latency model. Prints failed
 requests, TTFT / TPOT (mean, p50, p90) real (client side) vs simulated, and the server's own mean TTFT, ITL and
 E2E over the run (its /metrics histograms: request received to token sampled, no HTTP delivery), which tells the
-engine's delay from the server's.
+engine's delay from the server's, and the two delays of live serving the simulation does not have: intake
+(request received to taken by the engine thread) and first-token delivery (sampled to handed to the event
+loop: a launch's tokens come out when it ends).
 
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
@@ -32,7 +34,8 @@ POLICY_FLAGS = {"chunked": ["--max-num-batched-tokens", "2048"], "static-split":
 
 
 SERVER_SIDE = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
-               "e2e": "vllm:e2e_request_latency_seconds"}
+               "e2e": "vllm:e2e_request_latency_seconds", "intake": "bullet:request_intake_seconds",
+               "delivery": "bullet:first_token_delivery_seconds"}
 
 
 def scrape(url: str) -> dict[str, tuple[float, float]]:
@@ -90,12 +93,15 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--skip-oversized", action="store_true",
                     help="simulate without the requests the model cannot hold (the server answers them 400)")
+    ap.add_argument("--fuse-window-ms", type=float, default=None,
+                    help="bullet run --fuse-window-ms (its default where not given)")
     ap.add_argument("--out", type=Path, default=Path("serve_vs_sim"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     common = ["--model", args.model, "--latency", args.latency]
     work = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--slo", args.slo]
+    window = [] if args.fuse_window_ms is None else ["--fuse-window-ms", str(args.fuse_window_ms)]
     rows = []
     for policy in args.policies:
         flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
@@ -104,7 +110,7 @@ def main() -> None:
         with log.open("w") as lf:
             proc = subprocess.Popen([*CLI, "run", *common, *flags, "--device", args.device, "--slo", args.slo,
                                      "--port", str(args.port), "--log-level", "warning",
-                                     "--no-prefix-caching"], stdout=lf, stderr=lf)
+                                     "--no-prefix-caching", *window], stdout=lf, stderr=lf)
             wait_ready(url, proc, log, args.ready_timeout)
             print(f"{policy}: server ready in {time.perf_counter() - t0:.0f} s", flush=True)
             real = {}
@@ -129,8 +135,8 @@ def main() -> None:
             sim = json.loads(res.stdout)
             rows.append((policy, rate, real[rate], sim))
     print("\n| policy | rate | failed | TTFT mean real / sim ms (err) | TTFT p50 | TTFT p90 | TPOT mean real / sim ms "
-          "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms | intake / first-token delivery mean ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     (args.out / "results.json").write_text(json.dumps(
         [{"policy": p, "rate": r, "real": real, "sim": sim} for p, r, real, sim in rows], indent=1))
     for policy, rate, real, sim in rows:
@@ -142,6 +148,7 @@ def main() -> None:
                 cells.append(f"{a:.1f} / {b:.1f} ({100 * (b / a - 1):+.0f} %)")
         sv = real["server_side_ms"]
         cells.append(f"{sv['ttft']:.1f} / {sv['itl']:.1f} / {sv['e2e']:.1f}")
+        cells.append(f"{sv['intake']:.2f} / {sv['delivery']:.2f}")
         print(f"| {policy} | {rate:g} | {real.get('failed', 0)} | " + " | ".join(cells) + " |")
 
 

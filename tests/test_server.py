@@ -217,6 +217,41 @@ def test_every_policy_serves_concurrent_streams_exactly(weights, policy, extra):
         s.stop()
 
 
+def test_a_launch_that_samples_a_first_token_ends_with_it(weights):
+    """A fused launch's tokens come out when it ends: live, a launch that samples a request's first token is
+    one step, so the token reaches the client when it is sampled (the time TTFT counts); decode launches of
+    requests that have their first token still fuse. (Chunked fuses decode steps after a step that completes
+    prompts; the split policies never fuse a prefill launch.)"""
+    s = Live(sched=SchedulerConfig(max_num_seqs=8, max_decode_steps=8))
+    launched = []
+    eng = s.server.engine
+    record = eng.on_launch
+
+    def on_launch(batch):
+        launched.append(batch)
+        record(batch)
+
+    eng.on_launch = on_launch
+    try:
+        rng = np.random.default_rng(5)
+        bodies = [{"prompt": [int(x) for x in rng.integers(0, SPEC.vocab_size, int(rng.integers(2, 60)))],
+                   "max_tokens": 20, "stream": True, "return_token_ids": True, "temperature": 0,
+                   "ignore_eos": True, "stream_options": {"include_usage": True}} for _ in range(6)]
+
+        async def all_at_once():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_stream(client, s.url, b) for b in bodies))
+
+        for body, (ids, _, _) in zip(bodies, asyncio.run(all_at_once())):
+            assert ids == greedy(weights, body["prompt"], body["max_tokens"])
+        s.idle()
+    finally:
+        s.stop()
+    firsts = [b for b in launched if any(c.sample and c.num_tokens > 1 for c in b.chunks)]
+    assert firsts and all(b.steps == 1 for b in firsts)
+    assert any(b.steps > 1 for b in launched)  # decode launches still fuse
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_the_kv(live, stream):
     before = live.metrics().get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0.0)
@@ -495,7 +530,8 @@ def test_metrics_parse_with_vllm_names(live):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total",
-                 "bullet:launch_predicted_seconds_count", "bullet:launch_measured_seconds_count"):
+                 "bullet:launch_predicted_seconds_count", "bullet:launch_measured_seconds_count",
+                 "bullet:request_intake_seconds_count", "bullet:first_token_delivery_seconds_count"):
         assert name in names, name
     assert m[("bullet:lane_sms", (("lane", "all"),))] == 132  # chunked: lane "all", the whole H200
     lane = (("lane", "all"),)
@@ -505,6 +541,9 @@ def test_metrics_parse_with_vllm_names(live):
                  and dict(lab)["finished_reason"] in ("stop", "length"))
     assert m[("vllm:e2e_request_latency_seconds_count", ())] == served
     assert m[("vllm:time_to_first_token_seconds_count", ())] >= served  # aborted ones may have had a token
+    # every first token's delivery is timed; every request the engine took, its intake
+    assert m[("bullet:first_token_delivery_seconds_count", ())] == m[("vllm:time_to_first_token_seconds_count", ())]
+    assert m[("bullet:request_intake_seconds_count", ())] >= served
 
 
 # ---- shutdown -----------------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ class BulletServer:
         self.kv_tokens = sched.kv.num_blocks * sched.kv.block_size
         self.capacity = sched.cfg.max_num_seqs + max_waiting
         self.runner = EngineRunner(engine, self._deliver, window_s=window_s, after_step=metrics.after_step,
-                                   thread_init=thread_init)
+                                   thread_init=thread_init, on_take=metrics.taken)
         self.streams: dict[int, Generation] = {}
         self.outstanding = 0  # accepted and not yet ended in the engine
         self.closing = False
@@ -246,7 +246,7 @@ class BulletServer:
             if u.token_times:
                 last = self._last_token.get(rid)
                 if last is None:
-                    m.first_token(u.token_times[0] - req.arrival)
+                    m.first_token(u.token_times[0] - req.arrival, self.engine.executor.now() - u.token_times[0])
                 m.tokens(u.token_times, last)
                 self._last_token[rid] = u.token_times[-1]
             if u.finished:

@@ -18,6 +18,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+DELAY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LAUNCH_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -47,6 +48,11 @@ class ServerMetrics:
                                    m + ["lane"], buckets=LAUNCH_BUCKETS, registry=reg)
         self.measured = Histogram("bullet:launch_measured_seconds", "Launch time measured (executor clock).",
                                   m + ["lane"], buckets=LAUNCH_BUCKETS, registry=reg)
+        self.intake = Histogram("bullet:request_intake_seconds", "Request received (parsed, TTFT's start) to "
+                                "taken by the engine thread.", m, buckets=DELAY_BUCKETS, registry=reg)
+        self.delivery = Histogram("bullet:first_token_delivery_seconds", "First token sampled (TTFT's end) to "
+                                  "handed to the event loop: a launch's tokens come out when it ends.", m,
+                                  buckets=DELAY_BUCKETS, registry=reg)
         self.latency, self.num_layers = latency, num_layers
         self._flight: dict[str, tuple[Batch, float]] = {}  # lane -> (batch, predicted seconds)
 
@@ -70,6 +76,9 @@ class ServerMetrics:
             self.predicted.labels(self.model_name, lane).observe(predicted)
         self.measured.labels(self.model_name, lane).observe(res.end - res.start)
 
+    def taken(self, _request, delay: float) -> None:
+        self.intake.labels(self.model_name).observe(delay)
+
     def after_step(self, engine: Engine) -> None:
         sched = engine.scheduler
         self.running.labels(self.model_name).set(len(sched.running))
@@ -78,8 +87,10 @@ class ServerMetrics:
         self.kv_usage.labels(self.model_name).set(1.0 - kv.num_free / kv.num_blocks)
 
     # ---- event loop ---------------------------------------------------------------------------------
-    def first_token(self, ttft: float) -> None:
+    def first_token(self, ttft: float, delivery: float) -> None:
+        """``delivery``: from the first token's sampling to now (on the event loop)."""
         self.ttft.labels(self.model_name).observe(ttft)
+        self.delivery.labels(self.model_name).observe(delivery)
 
     def tokens(self, times: tuple[float, ...], last: float | None) -> None:
         """Output tokens sampled at ``times``; ``last``: when the token before them was (None: none)."""

@@ -1,9 +1,18 @@
 """The engine's own thread: requests and aborts come in through a thread-safe queue, every step's updates go
 out through ``deliver`` (called on the engine thread; the server hands them to its event loop).
 
-The thread blocks on the queue while the engine is idle; otherwise it steps with ``until = now + window``, so
-that a request arriving during a launch is added (and may start on an idle lane) within about ``window``
-seconds, and fused decode launches are sized to end about then when a new arrival could join them.
+The thread blocks on the queue while the engine is idle. Otherwise each step plans idle lanes with a horizon
+and then waits for results:
+- the horizon (what ``Engine.step`` hands the policy as the next time something could change the plan) is
+  ``now + window``: a live engine cannot know the next arrival, so fused decode launches that a new request
+  could join are sized to end about a window ahead. While a request added here has not had its first token,
+  the horizon is ``now``: a launch that samples a first token then ends with that step. A fused launch's
+  tokens reach the host only when it ends, so a first token sampled at its first step would reach the client
+  up to a window (on the CPU, where the latency model is a GPU's, up to ``max_decode_steps`` steps) after the
+  time the server and the simulator count (CPU tiny model: 33 of the 39 ms between the client's TTFT and the
+  server's).
+- the wait (:class:`LiveWait`) ends when a launch returns, when a request or abort comes in (it is taken at
+  once and may start on an idle lane), or a window after the step began.
 
 Shutdown (``close``): no more requests are taken; the engine finishes what it holds until the deadline, then
 aborts the rest (their KV is freed as their launches return) and the thread ends once it is idle. If a step
@@ -19,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..batch import Executor, StepResult
 from ..engine import Engine, Update
 from ..request import Request
 
@@ -29,18 +39,47 @@ class EngineDead(RuntimeError):
     """The engine thread has stopped (closed, or a step raised); no request can be taken."""
 
 
+class LiveWait:
+    """The executor as the runner's engine sees it: ``wait`` returns at the runner's ``deadline`` (not at the
+    ``until`` the engine passes: that is the planning horizon), or earlier when a launch returns or something
+    arrives in ``inbox`` (polled every ``tick_s``). Everything else is the executor's. With ``deadline`` None,
+    ``wait`` is the executor's own. (``Engine.step(until, horizon=...)`` would make this unnecessary.)"""
+
+    def __init__(self, inner: Executor, inbox: queue.SimpleQueue, tick_s: float = 5e-4) -> None:
+        self.inner, self.inbox, self.tick_s = inner, inbox, tick_s
+        self.deadline: float | None = None
+
+    def wait(self, until: float | None) -> list[StepResult]:
+        inner, deadline = self.inner, self.deadline
+        if deadline is None:
+            return inner.wait(until)
+        while True:
+            res = inner.wait(min(deadline, inner.now() + self.tick_s))
+            if res or not self.inbox.empty() or inner.now() >= deadline:
+                return res
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 class EngineRunner:
     def __init__(self, engine: Engine, deliver: Callable[[list[Update]], None], *, window_s: float = 0.01,
                  idle_poll_s: float = 0.1, after_step: Callable[[Engine], None] | None = None,
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None,
+                 on_take: Callable[[Request, float], None] | None = None) -> None:
+        """``on_take(request, delay)``: the engine thread took ``request``, ``delay`` seconds after its
+        arrival (executor clock)."""
         if window_s <= 0:
             raise ValueError("EngineRunner: window_s must be > 0")
         self.engine = engine
         self.deliver = deliver
         self.window_s, self.idle_poll_s = window_s, idle_poll_s
-        self.after_step, self.thread_init = after_step, thread_init
+        self.after_step, self.thread_init, self.on_take = after_step, thread_init, on_take
         self.error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wait = LiveWait(engine.executor, self._inbox)
+        engine.executor = self._wait  # the engine thread waits through it; nothing else changes
+        self._first_pending: set[int] = set()  # taken, no token delivered yet: plan launches to end at it
         self._lock = threading.RLock()  # orders submissions against the end; re-entrant: a signal handler
         # may call close() on the thread that is inside submit()
         self._taking = True
@@ -99,7 +138,9 @@ class EngineRunner:
                 if eng.idle:
                     ups = eng.flush()
                 else:
-                    ups = eng.step(eng.executor.now() + self.window_s)
+                    now = eng.executor.now()
+                    self._wait.deadline = now + self.window_s
+                    ups = eng.step(now if self._first_pending else now + self.window_s)
                     if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
@@ -107,6 +148,11 @@ class EngineRunner:
                     if self.after_step is not None:
                         self.after_step(eng)
                 if ups:
+                    pending = self._first_pending
+                    if pending:
+                        for u in ups:
+                            if u.token_ids or u.finished:
+                                pending.discard(u.request.id)
                     self.deliver(ups)
         except Exception as e:  # the scheduler or the executor raised: its state is not to be trusted
             log.exception("the engine failed")
@@ -122,7 +168,10 @@ class EngineRunner:
                 return
             block = False
             if kind == "add":
-                eng.add(item)
+                if eng.add(item):
+                    self._first_pending.add(item.id)
+                if self.on_take is not None:
+                    self.on_take(item, eng.executor.now() - item.arrival)
             elif kind == "abort":
                 eng.abort(item)
 
