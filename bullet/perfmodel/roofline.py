@@ -230,16 +230,20 @@ class RooflineModel:
             self._ar_fixed = self._ar_per_token = 0.0
         self._demand: dict[tuple[Work, int], float | np.ndarray] = {}  # (co, co_sms or -1: all)
         self._rest_memo: dict[tuple, float] = {}
+        self._terms: dict[tuple[int, int], tuple] = {}  # (tokens, SMs) -> the layer GEMMs' _gemm_terms
 
     # ------------------------------------------------------------------ the LatencyModel protocol
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
         """Seconds for ``work`` on ``num_sms`` SMs (int, or an array -> array) while ``co`` runs on
         ``co_sms`` other SMs (int, or an array matching ``num_sms``; None / 0: alone)."""
-        n, arr = check_sms(num_sms, self.num_sms)
+        if type(num_sms) is int and 0 < num_sms <= self.num_sms:  # the simulator's case, checked at once
+            n, arr = num_sms, False
+        else:
+            n, arr = check_sms(num_sms, self.num_sms)
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
-        if not arr and co is not None:
-            n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
+        if not arr and co is not None and not (type(co_sms) is int and 0 <= co_sms <= self.num_sms - n):
+            n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)  # (disjoint lanes keep their SMs)
         cf, inv_bw = self._contention(n, arr, co, co_sms)
         rest = self._rest(work, n, arr, cf, inv_bw)
         att = self._attention(work.attn_pairs, work.kv_read, work.tokens, n, arr, cf, inv_bw)
@@ -251,12 +255,15 @@ class RooflineModel:
         """Seconds of each of ``steps`` fused decode steps: step i has ``attn_pairs + i * seqs`` pairs and
         reads ``kv_read + i * seqs`` KV tokens; the rest is the same every step. Equal to ``predict`` on
         each step's Work (same operations, element-wise over the steps)."""
-        n, arr = check_sms(num_sms, self.num_sms)
-        if arr:
-            raise ValueError("decode_steps takes one SM count")
+        if type(num_sms) is int and 0 < num_sms <= self.num_sms:
+            n = num_sms
+        else:
+            n, arr = check_sms(num_sms, self.num_sms)
+            if arr:
+                raise ValueError("decode_steps takes one SM count")
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
-        if co is not None:
+        if co is not None and not (type(co_sms) is int and 0 <= co_sms <= self.num_sms - n):
             n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
         cf, inv_bw = self._contention(n, False, co, co_sms)
         rest = self._rest(work, n, False, cf, inv_bw)
@@ -378,15 +385,34 @@ class RooflineModel:
 
     def _gemm(self, g: _Gemm, rows: int, row_tiles: int, n: int, cf: float, inv_bw: float) -> float:
         """max(compute, memory) seconds of one GEMM launch of ``rows`` rows (M) on ``n`` SMs."""
+        per_wave, flops, inv_c, nbytes = self._gemm_terms(g, rows, row_tiles, n)
+        return max(nbytes * inv_bw, per_wave * (flops * cf) * inv_c)
+
+    def _gemm_terms(self, g: _Gemm, rows: int, row_tiles: int, n: int) -> tuple[float, float, float, int]:
+        """What of :meth:`_gemm` does not depend on contention: ``(waves / split, FLOPs of one tile wave,
+        1 / per-SM rate of the SMs kept busy, bytes)``; the time is ``max(bytes * inv_bw, waves / split *
+        (flops * cf) * inv_c)``."""
         tiles = row_tiles * g.n_tiles
         slots = n * self.bps
         split = min(max(slots // tiles, 1), g.max_split)
         units = tiles * split
         waves = -(-units // slots)
         busy = -(-units // (waves * self.bps))
-        t_c = waves / split * (g.wave_flops * cf) * self._inv_c_list[busy]
-        t_m = (g.weight_bytes + g.row_bytes * rows) * inv_bw
-        return max(t_m, t_c)
+        return waves / split, g.wave_flops, self._inv_c_list[busy], g.weight_bytes + g.row_bytes * rows
+
+    def _launch_terms(self, t: int, s: int, n: int) -> tuple:
+        """:meth:`_gemm_terms` of the four layer GEMMs for ``t`` rows and of the LM head for ``s`` (None if
+        0) on ``n`` SMs, remembered: a simulation asks about the same (tokens, SMs) under ever new contention."""
+        key = (t, s, n)
+        terms = self._terms.get(key)
+        if terms is None:
+            if len(self._terms) >= 65536:
+                self._terms.clear()
+            sh = self._small if t <= self._small.bm else self._big
+            mt = -(-t // sh.bm)
+            lm = self._gemm_terms(sh.lm_head, s, -(-s // sh.bm), n) if s else None
+            terms = self._terms[key] = (*(self._gemm_terms(g, t, mt, n) for g in sh.layer_gemms), lm)
+        return terms
 
     def _gemms(self, sh: _Shapes, rows: int, row_tiles: int, n: np.ndarray, cf, inv_bw) -> np.ndarray:
         """The layer GEMMs of ``sh`` at once over an array of SM counts: the same per-element operations
@@ -436,13 +462,15 @@ class RooflineModel:
         t, L, s = work.tokens, work.num_layers, work.samples
         sh = self._small if t <= self._small.bm else self._big
         mt = -(-t // sh.bm)
+        lm = None
         if arr:
             if np.ndim(cf):
                 cf = cf[None, :]
             gemms = self._gemms(sh, t, mt, n, cf, inv_bw).sum(axis=0)
-        else:
-            g0, g1, g2, g3 = (self._gemm(g, t, mt, n, cf, inv_bw) for g in sh.layer_gemms)
-            gemms = ((g0 + g1) + g2) + g3  # the order numpy sums the stacked rows in
+        else:  # _gemm's arithmetic, unrolled; summed in the order numpy sums the stacked rows in
+            (w0, f0, c0, b0), (w1, f1, c1, b1), (w2, f2, c2, b2), (w3, f3, c3, b3), lm = self._launch_terms(t, s, n)
+            gemms = (((max(b0 * inv_bw, w0 * (f0 * cf) * c0) + max(b1 * inv_bw, w1 * (f1 * cf) * c1))
+                      + max(b2 * inv_bw, w2 * (f2 * cf) * c2)) + max(b3 * inv_bw, w3 * (f3 * cf) * c3))
         layer = self._elem_bytes * t * inv_bw + gemms
         once = self._kernels(work) * self.constants.kernel_overhead
         if work.embed:
@@ -454,7 +482,8 @@ class RooflineModel:
                 once = once + np.array([self._gemm(g, s, -(-s // sh.bm), int(k), float(f), float(b))
                                         for k, f, b in np.broadcast(n, cf, inv_bw)])
             else:
-                once = once + self._gemm(g, s, -(-s // sh.bm), n, cf, inv_bw)
+                w, f, c, b = lm
+                once = once + max(b * inv_bw, w * (f * cf) * c)
         if self._ar_fixed:
             once = once + L * (self._ar_fixed + self._ar_per_token * t)
         return L * layer + once

@@ -79,6 +79,7 @@ class Bullet(LayerSliced):
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
         self.decode_until = 0.0  # predicted end of the decode launch in flight
         self._slice_work: Work | None = None  # the Work of the prefill slice in flight
+        self._job_sums: tuple[tuple[Chunk, ...], Work] | None = None  # (the job's chunks, their whole Work)
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
         self._last_need = 0  # index of the decode size _decode_need chose last
         self.token_target = self._token_target()
@@ -139,7 +140,7 @@ class Bullet(LayerSliced):
         view = self._view(self._decoding(), now)
         alone = not d_cur and not view.work.seqs  # nothing to share SMs with: the rest of the job at once
         layers = range(first, L if alone else min(first + self.layers_step, L))
-        work = work_of(Batch(self.whole_gpu, layers, chunks), L)
+        work = self._job_work(layers)
         p = self.N if alone else self._prefill_want(now, work, view)
         if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
             if self.decode_until - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
@@ -152,6 +153,15 @@ class Bullet(LayerSliced):
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
         self._slice_work = work
         return self._launch("prefill", batch, reqs)
+
+    def _job_work(self, layers: range) -> Work:
+        """``work_of`` the job's chunks over ``layers``: the sums over its chunks are taken once per job."""
+        chunks, L = self.job[0], self.model.num_layers
+        if self._job_sums is None or self._job_sums[0] is not chunks:
+            self._job_sums = (chunks, work_of(Batch(self.whole_gpu, self.all_layers, chunks), L))
+        w = self._job_sums[1]  # all layers: every sample counted, the embedding included
+        return Work(len(layers), w.tokens, w.seqs, w.attn_pairs, w.kv_read, w.samples if layers.stop == L else 0,
+                    layers.start == 0, w.max_kv)
 
     def _prefill_want(self, now: float, work: Work, view: DecodeView) -> int:
         """The prefill size for the next slice (``work``), next to the decoding requests (``view``). When the
@@ -170,7 +180,7 @@ class Bullet(LayerSliced):
         left = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
         if left is None:
             return sizes[0]
-        rest = work_of(Batch(self.whole_gpu, range(first, L), chunks), L)
+        rest = self._job_work(range(first, L))
         predict, budget = self.latency.predict, (left - now) * (1 - self.cfg.slo_margin)
         return self._smallest(sizes, lambda p: predict(rest, p) <= budget)
 
