@@ -61,7 +61,9 @@ def validate(
         help="Capture prefill/mixed-launch CUDA graphs (token buckets up to 512) for the policy's partitions "
              "before serving; small launches then replay them instead of ~300 eager kernel launches.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    out: Annotated[Path | None, typer.Option(help="Folder for report.json and cdf.png.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for report.json, cdf.png and launches.csv (every "
+                                                   "real launch: its work, measured and predicted ms).")]
+    = None,
 ) -> None:
     """Serve the same requests on the real executor and in the simulator (same arrivals, policy code and
     latency model) and print the simulator's error per metric and per launch kind."""
@@ -130,6 +132,7 @@ def validate(
                 folder = out if len(runs) == 1 else out / (Path(tr).stem + ("" if rt is None else f"@{rt:g}"))
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "report.json").write_text(json.dumps(rep.to_json(), indent=1, default=float) + "\n")
+                lib.write_launches(rep, folder / "launches.csv")
                 try:
                     lib.plot_cdfs(rep, folder / "cdf.png", title)
                 except ImportError:

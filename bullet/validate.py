@@ -36,6 +36,7 @@ class Report:
     sim: dict
     rows: list[dict] = field(default_factory=list)  # metric, stat, real, sim, error, gated
     launches: list[dict] = field(default_factory=list)  # kind, launches, measured ms, error p10/p50/p90
+    launch_rows: list[dict] = field(default_factory=list)  # each real launch: its work, measured and predicted
     real_cdf: dict = field(default_factory=dict)  # metric -> sorted values (ms)
     sim_cdf: dict = field(default_factory=dict)
 
@@ -70,9 +71,10 @@ def compare(real: dict, sim: dict) -> list[dict]:
     return rows
 
 
-def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int) -> list[dict]:
+def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int,
+                  rows: list[dict] | None = None) -> list[dict]:
     """Per launch kind: the latency model's prediction for each real launch (next to the other lane's launch
-    that overlapped it most) against its measured duration."""
+    that overlapped it most) against its measured duration. ``rows``, if given, gets one dict per launch."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for i, res in enumerate(results):
         b = res.batch
@@ -90,6 +92,12 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
         kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
         kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))
+        if rows is not None:
+            rows.append({"start_s": res.start, "kind": f"{b.lane}/{kind}", "sms": sms, "layers": w.num_layers,
+                         "tokens": w.tokens, "seqs": w.seqs, "attn_pairs": w.attn_pairs, "kv_read": w.kv_read,
+                         "max_kv": w.max_kv, "samples": w.samples, "steps": b.steps, "co_sms": co_sms,
+                         "co_tokens": co.tokens if co else 0, "measured_ms": (res.end - res.start) * 1e3,
+                         "predicted_ms": pred * 1e3})
     out = []
     for kind, pairs in sorted(kinds.items()):
         m = np.array([p[0] for p in pairs])
@@ -123,14 +131,26 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
     sim_run = simulate(make_requests(), model, gpu, sched,
                        CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching),
                        slo, latency)
+    rows: list[dict] = []
     rep = Report(real, sim_run.summary, compare(real, sim_run.summary),
-                 launch_errors(results, latency, model.num_layers))
+                 launch_errors(results, latency, model.num_layers, rows), launch_rows=rows)
     for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
         cdf = rep.real_cdf if name == "real" else rep.sim_cdf
         for m in ("ttft", "tpot"):
             x = np.asarray(cols[m], float)
             cdf[m] = np.sort(x[np.isfinite(x)] * 1e3)
     return rep
+
+
+def write_launches(rep: Report, path) -> None:
+    """Every real launch as a CSV row: its work, measured and predicted ms."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        if rep.launch_rows:
+            w = csv.DictWriter(f, fieldnames=list(rep.launch_rows[0]))
+            w.writeheader()
+            w.writerows(rep.launch_rows)
 
 
 def plot_cdfs(rep: Report, path, title: str) -> None:

@@ -73,6 +73,15 @@ def test_validate_command_on_the_cpu(tmp_path):
     res = runner.invoke(app, [*args, "--max-error", "1e9", "--out", str(tmp_path / "v")])
     assert res.exit_code == 0, res.output
     assert "TTFT p90" in res.output and (tmp_path / "v" / "report.json").exists()
+    import csv
+
+    with open(tmp_path / "v" / "launches.csv") as f:
+        launches = list(csv.DictReader(f))
+    report = json.loads((tmp_path / "v" / "report.json").read_text())
+    assert len(launches) == sum(k["launches"] for k in report["launches"]) > 0
+    assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in launches)
+    # every prompt token goes through exactly one launch that is not a pure decode launch
+    assert sum(int(r["tokens"]) for r in launches if r["kind"] != "all/decode") >= 30 + 12 + 50 + 8 + 25
     (tmp_path / "file").write_text("")
     for bad, msg in ((["--policy", "nope"], "--policy must be one of"), (["--out", str(tmp_path / "file")],
                                                                         "not a folder"),

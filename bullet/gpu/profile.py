@@ -156,6 +156,8 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
             pts.append(Point(Shape(((2048 - rows, 2048),), decode=(1024,) * rows), "all", num_sms))
             if rows < 64:
                 pts.append(Point(Shape(((64, 0),), decode=(1024,) * rows), "all", num_sms))
+    if not cpu:
+        pts += sampled(spec, pre_sizes, num_sms, 24 if quick else 64, kv_tokens)
     for p, d in co_pairs:
         for n in co_new:
             for bs in co_batches:
@@ -164,6 +166,38 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pts.append(Point(pre, "prefill", p, dec, d))
                 pts.append(Point(dec, "decode", d, pre, p))
     return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
+
+
+def sampled(spec: ModelSpec, pre_sizes: Sequence[int], num_sms: int, count: int, kv_tokens: int | None,
+            seed: int = 0) -> list[Point]:
+    """Seeded random launches of the kinds serving runs, off the grid's lines: chunked prefill's steps on the
+    whole GPU (a token budget of 512-8192 filled with decode rows of mixed contexts, perhaps a later chunk
+    over a prefix, then fresh prompts of ShareGPT-like lengths, the last one cut), and a split policy's
+    prefill launches (several fresh prompts, whole or in layer slices) on a random prefill partition. Two
+    thirds are chunked steps."""
+    rng = np.random.default_rng(seed)
+    ctx_levels, pts = (256, 512, 1024, 2048, 4096), []
+    while len(pts) < count:
+        chunked = len(pts) % 3 != 2
+        budget = int(rng.choice((256, 512, 2048, 2048, 4096, 8192) if chunked else (1024, 2048, 4096, 8192)))
+        rows = int(rng.integers(0, min(192, budget // 4) + 1)) if chunked else 0
+        decode = tuple(sorted((int(c) for c in rng.choice(ctx_levels, rows)), reverse=True))
+        left, prefill = budget - rows, []
+        if chunked and rng.random() < 0.5:  # a later chunk of a long prompt
+            n = int(rng.integers(left // 4, left + 1))
+            prefill.append((n, 512 * int(rng.integers(1, 13))))
+            left -= n
+        while left > 0:
+            n = min(left, max(16, int(rng.lognormal(6.5, 0.9))))  # median ~660 tokens
+            prefill.append((n, 0))
+            left -= n
+        if sum(n + p for n, p in prefill) + sum(decode) > 0.5 * (kv_tokens or 10**9) or not prefill:
+            continue
+        layers = None if chunked else [None, spec.num_layers // 4, spec.num_layers // 2][int(rng.integers(3))]
+        shape = Shape(tuple(prefill), decode, layers=layers)
+        lane, sms = ("all", num_sms) if chunked else ("prefill", int(rng.choice(list(pre_sizes))))
+        pts.append(Point(shape, lane, sms))
+    return pts
 
 
 # ---------------------------------------------------------------------------------------------- measuring
