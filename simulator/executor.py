@@ -130,7 +130,10 @@ class SimExecutor:
         if not self._done:
             self._settle()
             events = self._events
-            first = min(self._flights.values(), key=lambda f: f.end, default=None)
+            first = None  # the flight that ends first (the first one of a tie)
+            for f in self._flights.values():
+                if first is None or f.end < first.end:
+                    first = f
             if first is not None and (until is None or first.end <= until):
                 token = first.token
                 while True:  # run the clock until that launch's entry has come up

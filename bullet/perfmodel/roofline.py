@@ -210,6 +210,7 @@ class RooflineModel:
         self._attn_wave_flops = self.bps * 4.0 * m.head_dim * ATTN_TILE_PAIRS / c.attn_efficiency
         self._attn_kv_bytes = 2 * kv * dt  # K and V per cached token, per layer
         self._attn_row_bytes = 2 * q * dt  # query in, output out
+        self._attn_kv_bytes_f = float(self._attn_kv_bytes)
         # Memory-only kernels, bytes per token per layer: 2 fused residual-add RMSNorms (read x and the
         # residual, write both), RoPE on q and k plus the K/V store, SiLU(gate) * up, q/k RMSNorm.
         self._elem_bytes = (2 * 4 * h + 2 * (q + kv) + 2 * 2 * kv + 3 * f + 2 * (q + kv) * m.qk_norm) * dt
@@ -272,15 +273,17 @@ class RooflineModel:
         # Decode attention is nearly always memory-bound: when even the last step's compute time, at the
         # slowest per-SM rate and with a spare wave, stays below the first step's memory time, max() is
         # the memory time at every step and the compute term need not be evaluated (same numbers).
-        att = self._attn_kv_bytes * kv_read
-        att += self._attn_row_bytes * work.tokens  # in place: the same operations, fewer arrays
+        # in place: the same operations, fewer arrays; integers as floats (exact; numpy converts a Python int
+        # operand at a cost)
+        att = self._attn_kv_bytes_f * kv_read
+        att += float(self._attn_row_bytes * work.tokens)
         att *= inv_bw
         last_tiles = (work.attn_pairs + (steps - 1) * work.seqs) * self._attn_tiles_per_pair
         bound = (last_tiles / (n * self.bps) + 1.0) * self._attn_wave_flops * cf * self._inv_c_max
         if not (steps and bound < att[0]):
             grow = np.arange(steps, dtype=np.float64) * work.seqs
             att = self._attention(work.attn_pairs + grow, kv_read, work.tokens, n, True, cf, inv_bw)
-        att *= work.num_layers
+        att *= float(work.num_layers)
         att += rest
         return att
 

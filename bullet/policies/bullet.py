@@ -81,6 +81,10 @@ class Bullet(LayerSliced):
         self._slice_work: Work | None = None  # the Work of the prefill slice in flight
         self._job_sums: tuple[tuple[Chunk, ...], Work] | None = None  # (the job's chunks, their whole Work)
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
+        # every partition a launch may ask for, made once (a Partition per launch costs a frozen dataclass)
+        self._parts = {(lane, n): Partition(lane, n) for lane, sizes in (("prefill", gpu.prefill_sizes),
+                                                                          ("decode", gpu.decode_sizes))
+                       for n in sizes}
         self._last_need = 0  # index of the decode size _decode_need chose last
         self.token_target = self._token_target()
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
@@ -121,6 +125,10 @@ class Bullet(LayerSliced):
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
         return self._schedule_prefill(now) if lane == "prefill" else self._schedule_decode(now, horizon)
 
+    def _part(self, lane: Lane, n: int) -> Partition:
+        part = self._parts.get((lane, n))
+        return part if part is not None else Partition(lane, n)  # (off the menu: the executor says so)
+
     def _decode_sms(self) -> int:
         dec = self.inflight.get("decode")
         return dec[0].partition.num_sms if dec else 0
@@ -146,7 +154,7 @@ class Bullet(LayerSliced):
             if self.decode_until - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
                 return None
             p = self.N - d_cur
-        batch = Batch(Partition("prefill", p), layers, chunks)
+        batch = Batch(self._part("prefill", p), layers, chunks)
         note_work(self.latency, batch, L, work)
         dec = self.inflight.get("decode")
         co = batch_work(self.latency, dec[0], L) if dec else None  # the simulator asks for it too
@@ -190,7 +198,7 @@ class Bullet(LayerSliced):
             return None
         pre = self.inflight.get("prefill")
         if pre is None:  # nothing to prefill now (it would have launched first): the whole GPU
-            batch = self._decode_batch("decode", Partition("decode", self.N), decoders, now,
+            batch = self._decode_batch("decode", self._part("decode", self.N), decoders, now,
                                        self.arrival_horizon(horizon))
             self._note_decode_end(batch, now, None, 0)
             return batch
@@ -199,7 +207,7 @@ class Bullet(LayerSliced):
             return None  # prefill holds the whole GPU for this slice
         co = self._slice_work  # the prefill slice in flight
         d = self.N - p  # all that prefill left (its size already counted what decode needs)
-        batch = self._decode_batch("decode", Partition("decode", d), decoders, now, self.prefill_until, co, p)
+        batch = self._decode_batch("decode", self._part("decode", d), decoders, now, self.prefill_until, co, p)
         self._note_decode_end(batch, now, co, p)
         return batch
 
