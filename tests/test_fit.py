@@ -47,7 +47,8 @@ TRUE = {
     "decode_first": [(("weights", "k64"), 0.26), (("weights_gemv", "k48"), 0.32), (("kv", "k48"), 0.41),
                      (("rows", "one"), 0.004), (("launch", "one"), 0.9)],
     "eager": [(("gemm_flops", "k64"), 1.6e-3), (("gemm_flops", "full"), 2.0e-4), (("attn", "k132"), 2.5e-3),
-              (("prefix_attn", "k96"), 9e-3), (("weights", "k32"), 0.02), (("layers", "one"), 0.1)],
+              (("prefix_attn", "k96"), 9e-3), (("weights", "k32"), 0.02), (("weights", "part"), 0.01),
+              (("eager_tokens", "k64"), 0.4), (("layers", "one"), 0.1)],
     "host": [(("layers", "one"), 0.3), (("tokens", "one"), 0.5), (("launch", "one"), 1.0)],
     "co_eager": [(("co_bw", "one"), 0.05), (("co_sm_share", "one"), 0.2)],
     "co_decode": [(("co_bw", "one"), 0.02), (("co_sm_share", "one"), 0.3)],
@@ -156,6 +157,23 @@ def test_one_term_by_hand():
     fm1 = FittedModel({**fm.data, "families": fams})
     for n in (8, 20, 48, 100, 132):
         assert fm1.predict(w, n) == pytest.approx(0.4 * 32 * 64000 * kv_bytes * 1e-9 * 132 / min(n, 48), rel=1e-12)
+
+
+def test_part_and_eager_tokens_terms_by_hand():
+    """``part`` is 1 on a green context and 0 on the whole GPU; ``eager_tokens`` counts only launches no
+    prefill graph serves (the profile's limits: <= 512 tokens and <= 64 chunks)."""
+    fm = truth_model()
+    zero = {"terms": [["launch", "one"]], "coef": [0.0]}
+    fams = {fam: zero for fam in TRUE}
+    fams["eager"] = {"terms": [["tokens", "part"], ["eager_tokens", "one"]], "coef": [2.0, 3.0]}
+    fm1 = FittedModel({**fm.data, "families": fams}, host=False)
+    big = Work(32, 1000, 1, 1000 * 1001 / 2, 1000, 1, True, 1000)  # eager: 1000 tokens
+    small = Work(32, 256, 1, 256 * 257 / 2, 256, 1, True, 256)  # graphed: its bucket is 256 rows
+    for n in (20, 64, 124):
+        assert fm1.predict(big, n) == pytest.approx((2.0 + 3.0) * 32 * 1000 * 1e-6, rel=1e-12)
+        assert fm1.predict(small, n) == pytest.approx(2.0 * 32 * 256 * 1e-6, rel=1e-12)
+    assert fm1.predict(big, 132) == pytest.approx(3.0 * 32 * 1000 * 1e-6, rel=1e-12)
+    assert fm1.predict(small, 132) == 0.0
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
