@@ -19,6 +19,7 @@ import secrets
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, pairwise
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +34,14 @@ PERCENTILES: tuple[float, ...] = (50, 90, 99)  # the summary's default (``--metr
 def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.ndarray]:
     """One array per column, one row per served request (ordered by id; rejected ones are left out). Times
     in seconds."""
-    reqs = sorted((r for r in reqs if r.error is None), key=lambda r: r.id)
+    reqs = sorted((r for r in reqs if r.error is None), key=attrgetter("id"))
     n = len(reqs)
-    arrival = np.fromiter((r.arrival for r in reqs), float, n)
-    first = np.fromiter((r.first_token_time for r in reqs), float, n)
-    finish = np.fromiter((r.finish_time for r in reqs), float, n)
-    prompt = np.fromiter((r.prompt_len for r in reqs), np.int64, n)
-    out = np.fromiter((r.num_output for r in reqs), np.int64, n)
+
+    def col(name: str, dtype) -> np.ndarray:
+        return np.fromiter(map(attrgetter(name), reqs), dtype, n)
+
+    arrival, first, finish = col("arrival", float), col("first_token_time", float), col("finish_time", float)
+    prompt, out = col("prompt_len", np.int64), col("num_output", np.int64)
     ttft, e2e = first - arrival, finish - arrival
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(out > 1, (e2e - ttft) / np.maximum(out - 1, 1), np.nan)
@@ -50,12 +52,12 @@ def request_columns(reqs: Sequence[Request], slo: SloConfig) -> dict[str, np.nda
     tpot_target = np.inf if slo.tpot is None else slo.tpot
     attained = (ttft <= ttft_target) & ((out <= 1) | (tpot <= tpot_target))
     return {
-        "id": np.fromiter((r.id for r in reqs), np.int64, n),
+        "id": col("id", np.int64),
         "arrival": arrival, "prompt_tokens": prompt, "output_tokens": out,
         "first_token": first, "finish": finish, "ttft": ttft, "tpot": tpot, "e2e": e2e,
         "ttft_target": ttft_target, "attained": attained,
-        "preemptions": np.fromiter((r.num_preemptions for r in reqs), np.int64, n),
-        "cached_tokens": np.fromiter((r.num_cached_tokens for r in reqs), np.int64, n),
+        "preemptions": col("num_preemptions", np.int64),
+        "cached_tokens": col("num_cached_tokens", np.int64),
     }
 
 
@@ -83,7 +85,9 @@ class TokenGaps:
     def __init__(self) -> None:
         self.values = array("d")  # single gaps
         self.counts = array("q")
-        self.steps: list[tuple[np.ndarray, int]] = []  # (a launch's step ends, requests that had every step)
+        self.steps: list[np.ndarray] = []  # each launch's step ends
+        self.step_lens = array("q")  # ... how many
+        self.step_counts = array("q")  # ... and the requests that had every step
 
     def add(self, gap: float, count: int) -> None:
         self.values.append(gap)
@@ -91,15 +95,17 @@ class TokenGaps:
 
     def add_steps(self, ends: np.ndarray, count: int) -> None:
         """The gaps between consecutive ``ends``, ``count`` times each."""
-        self.steps.append((ends, count))
+        self.steps.append(ends)
+        self.step_lens.append(len(ends))
+        self.step_counts.append(count)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(gaps, counts)."""
-        lens = np.fromiter((len(e) for e, _ in self.steps), np.int64, len(self.steps))
-        ends = np.concatenate([np.asarray(e, float) for e, _ in self.steps]) if self.steps else np.zeros(0)
+        lens = np.frombuffer(self.step_lens, np.int64)
+        ends = np.concatenate(self.steps, dtype=float, casting="safe") if self.steps else np.zeros(0)
         keep = np.ones(max(ends.size - 1, 0), bool)
         keep[np.cumsum(lens)[:-1] - 1] = False  # from one launch's last step to the next launch's first
-        counts = np.repeat(np.fromiter((n for _, n in self.steps), np.int64, len(self.steps)), lens - 1)
+        counts = np.repeat(np.frombuffer(self.step_counts, np.int64), lens - 1)
         return (np.concatenate((np.frombuffer(self.values, float), np.diff(ends)[keep])),
                 np.concatenate((np.frombuffer(self.counts, np.int64), counts)))
 

@@ -98,7 +98,10 @@ def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co:
     n = first.seqs
     kv = first.kv_read + n
     tail = Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
-    return np.concatenate(([t0], latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)))
+    out = np.empty(steps)
+    out[0] = t0
+    out[1:] = latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)
+    return out
 
 
 def batch_work(latency: LatencyModel, batch: Batch, total_layers: int) -> Work:
@@ -163,7 +166,9 @@ class CachedLatency:
         entries are those of the first ``k`` steps' sum: the same numbers)."""
         key = (first, num_sms, co, co_sms)
         if key != self._ekey or steps > len(self._ends):
-            self._ekey, self._ends = key, step_times(self, first, steps, num_sms, co, co_sms).cumsum()
+            times = (self.decode_steps(first, steps, num_sms, co, co_sms) if first.tokens == first.seqs
+                     else step_times(self, first, steps, num_sms, co, co_sms))  # (step_times, one call fewer)
+            self._ekey, self._ends = key, times.cumsum()
         return self._ends[:steps]
 
     def work_of(self, batch: Batch, total_layers: int) -> Work:
