@@ -231,7 +231,8 @@ class RooflineModel:
             self._ar_fixed = self._ar_per_token = 0.0
         self._demand: dict[tuple[Work, int], float | np.ndarray] = {}  # (co, co_sms or -1: all)
         self._rest_memo: dict[tuple, float] = {}
-        self._terms: dict[tuple[int, int], tuple] = {}  # (tokens, SMs) -> the layer GEMMs' _gemm_terms
+        self._cont: dict[tuple[int, Work, int], tuple[float, float]] = {}  # (SMs, co, co_sms) -> _contention
+        self._terms: dict[tuple[int, int, int], tuple] = {}  # (tokens, samples, SMs) -> _launch_terms
 
     # ------------------------------------------------------------------ the LatencyModel protocol
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
@@ -331,7 +332,19 @@ class RooflineModel:
 
     # ------------------------------------------------------------------ internals
     def _contention(self, n, arr: bool, co: Work | None, co_sms):
-        """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``."""
+        """(compute slowdown factor, seconds per byte) of this lane on ``n`` SMs next to ``co``; remembered for
+        an int SM count (a launch in flight is the co-runner of every prediction until it ends)."""
+        if arr or co is None or type(co_sms) is not int:
+            return self._contention_of(n, arr, co, co_sms)
+        key = (n, co, co_sms)
+        out = self._cont.get(key)
+        if out is None:
+            if len(self._cont) >= 8192:
+                self._cont.clear()
+            out = self._cont[key] = self._contention_of(n, arr, co, co_sms)
+        return out
+
+    def _contention_of(self, n, arr: bool, co: Work | None, co_sms):
         scalar_co = isinstance(co_sms, (int, np.integer))
         if co is None or (scalar_co and co_sms == 0):
             return 1.0, (self.inv_bw[n] if arr else self._inv_bw_list[n])
