@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 from bullet.batch import Batch, Chunk, Partition
 from bullet.config import GPUS, SchedulerConfig, resolve_model
 from bullet.kvcache import BlockManager
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--idle-ms", type=float, default=300.0)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sustain-s", type=float, default=10.0)
+    ap.add_argument("--ids", choices=("random", "constant"), default="random",
+                    help="prompt token ids: seeded random (as serving's synthetic ids) or all 1")
     ap.add_argument("--latency", help="a model JSON (`bullet fit`): print its prediction of the step too")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     args = ap.parse_args()
@@ -90,7 +94,7 @@ def main() -> None:
         out = []
         for _ in range(n):
             r = next(rid)
-            out.append(Chunk(r, ctx - 1, 1, kv.allocate(r, ctx + steps), True, (1,)))
+            out.append(Chunk(r, ctx - 1, 1, kv.allocate(r, ctx + steps), True, (int(rng.integers(spec.vocab_size)),)))
         return out
 
     def run(chunks: list[Chunk], steps: int = 1):
@@ -103,10 +107,14 @@ def main() -> None:
             ex.release(c.req_id)
         return out[-1]
 
+    rng = np.random.default_rng(0)
+
     def step_chunks() -> list[Chunk]:
         r = next(rid)
         rows = decode_rows(args.rows, args.context, 1)
-        return rows + [Chunk(r, 0, args.prompt, kv.allocate(r, args.prompt), True, (1,) * args.prompt)]
+        ids = (1,) * args.prompt if args.ids == "constant" else \
+            tuple(int(x) for x in rng.integers(0, spec.vocab_size, args.prompt))
+        return rows + [Chunk(r, 0, args.prompt, kv.allocate(r, args.prompt), True, ids)]
 
     def timed(before=None) -> dict:
         if before is not None:
@@ -143,14 +151,15 @@ def main() -> None:
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else float("nan")
 
-    print(f"{args.prompt}-token prompt + {args.rows} decode rows of {args.context} ({spec.name}, {args.device})"
+    print(f"{args.prompt}-token prompt ({args.ids} ids) + {args.rows} decode rows of {args.context} "
+          f"({spec.name}, {args.device})"
           + (f"; model predicts {pred:.2f} ms" if pred is not None else ""))
     print("| condition | step ms p50 | p10 | p90 | SM MHz p50 | W p50 |")
     print("|---|---:|---:|---:|---:|---:|")
     table = {}
     for name, rows in conditions.items():
         ms = sorted(r["ms"] for r in rows)
-        q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+        q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
         table[name] = {"ms_p50": med(ms), "ms_p10": q[0], "ms_p90": q[-1], "clock_mhz": med([r["clock"] for r in rows]),
                        "power_w": med([r["power"] for r in rows])}
         t = table[name]
