@@ -125,6 +125,18 @@ def test_decode_steps_equal_step_by_step_predict(model, co):
         assert np.all(np.diff(steps) >= 0)
 
 
+@pytest.mark.parametrize("co", [None, prefill(4096), decode(32, 512)])
+def test_decode_step_ends_are_decode_steps_and_their_running_sum(model, co):
+    """The plain-float path for short stretches gives numpy's numbers to the bit (the simulator's results
+    must not depend on which path timed a launch)."""
+    for work in (decode(1, 5), decode(256, 16), decode(128, 1024), decode(200, 3000), DECODE_CAL):
+        for steps in (0, 1, 2, 7, 24, 25, 60):
+            times, ends = model.decode_step_ends(work, steps, 40, co, 92 if co else 0)
+            ref = model.decode_steps(work, steps, 40, co, 92 if co else 0)
+            assert np.array_equal(np.asarray(times, float), ref)
+            assert np.array_equal(ends, np.cumsum(ref))
+
+
 def test_decode_steps_edge_cases(model):
     assert model.decode_steps(DECODE_CAL, 0, 36).shape == (0,)
     one = model.decode_steps(DECODE_CAL, 1, np.int64(36))

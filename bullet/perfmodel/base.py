@@ -140,6 +140,8 @@ class CachedLatency:
         self._works: dict[int, tuple[Batch, int, Work]] = {}  # id(batch) -> (batch, layers, its work)
         self._ekey: tuple | None = None
         self._ends = np.zeros(0)
+        # (times, their cumsum) of a decode stretch, where the model has it (RooflineModel.decode_step_ends)
+        self._step_ends = getattr(model, "decode_step_ends", None)
 
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
         if isinstance(num_sms, np.ndarray):
@@ -157,6 +159,8 @@ class CachedLatency:
         key = (work, num_sms, co, co_sms)
         if key != self._key or steps > len(self._steps):
             self._key, self._steps = key, self.model.decode_steps(work, steps, num_sms, co, co_sms)
+        elif type(self._steps) is list:  # from decode_step_ends (step_ends)
+            self._steps = np.array(self._steps)
         return self._steps[:steps]
 
     def step_ends(self, first: Work, steps: int, num_sms: int, co: Work | None = None,
@@ -166,9 +170,13 @@ class CachedLatency:
         entries are those of the first ``k`` steps' sum: the same numbers)."""
         key = (first, num_sms, co, co_sms)
         if key != self._ekey or steps > len(self._ends):
-            times = (self.decode_steps(first, steps, num_sms, co, co_sms) if first.tokens == first.seqs
-                     else step_times(self, first, steps, num_sms, co, co_sms))  # (step_times, one call fewer)
-            self._ekey, self._ends = key, times.cumsum()
+            if first.tokens != first.seqs:
+                ends = step_times(self, first, steps, num_sms, co, co_sms).cumsum()
+            elif self._step_ends is not None:  # a decode launch: the model sums its steps (and keeps them)
+                self._key, (self._steps, ends) = key, self._step_ends(first, steps, num_sms, co, co_sms)
+            else:
+                ends = self.decode_steps(first, steps, num_sms, co, co_sms).cumsum()
+            self._ekey, self._ends = key, ends
         return self._ends[:steps]
 
     def work_of(self, batch: Batch, total_layers: int) -> Work:

@@ -40,6 +40,7 @@ operations element-wise), so both give identical numbers. Constants and calibrat
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from itertools import accumulate
 from math import ceil
 from numbers import Real
 
@@ -57,6 +58,8 @@ RHO_CAP = 0.9
 CLOCK_POWER_EXPONENT = 1.0 / 3.0
 # Split-K never cuts K below this many elements per split (cuBLAS/CUTLASS split-K heuristics).
 MIN_SPLIT_K = 512
+# decode_step_ends: stretches up to this many steps in plain floats (below it numpy's per-call cost dominates)
+SHORT_STRETCH = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,44 @@ class RooflineModel:
         """Seconds of each of ``steps`` fused decode steps: step i has ``attn_pairs + i * seqs`` pairs and
         reads ``kv_read + i * seqs`` KV tokens; the rest is the same every step. Equal to ``predict`` on
         each step's Work (same operations, element-wise over the steps)."""
+        n, cf, inv_bw, rest = self._decode_setup(work, num_sms, co, co_sms)
+        # kv_read + i * seqs: integers, exact in floats however they are computed (one arange call)
+        kv_read = np.arange(work.kv_read, work.kv_read + steps * work.seqs, work.seqs, dtype=np.float64)
+        # Decode attention is nearly always memory-bound: when even the last step's compute time, at the
+        # slowest per-SM rate and with a spare wave, stays below the first step's memory time, max() is
+        # the memory time at every step and the compute term need not be evaluated (same numbers).
+        # in place: the same operations, fewer arrays; integers as floats (exact; numpy converts a Python int
+        # operand at a cost)
+        att = self._attn_kv_bytes_f * kv_read
+        att += float(self._attn_row_bytes * work.tokens)
+        att *= inv_bw
+        if not (steps and self._memory_bound(work, steps, n, cf, att[0])):
+            grow = np.arange(steps, dtype=np.float64) * work.seqs
+            att = self._attention(work.attn_pairs + grow, kv_read, work.tokens, n, True, cf, inv_bw)
+        att *= float(work.num_layers)
+        att += rest
+        return att
+
+    def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
+                         co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
+        """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short memory-bound stretch (up to
+        ``SHORT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
+        :meth:`decode_steps` does it and summed in order as ``cumsum`` does: numpy's per-call cost is the
+        larger there. The times come as a list then."""
+        if steps > SHORT_STRETCH or steps < 1:
+            times = self.decode_steps(work, steps, num_sms, co, co_sms)
+            return times, times.cumsum()
+        n, cf, inv_bw, rest = self._decode_setup(work, num_sms, co, co_sms)
+        kvb, row, kv0, seqs = self._attn_kv_bytes_f, float(self._attn_row_bytes * work.tokens), work.kv_read, work.seqs
+        if not self._memory_bound(work, steps, n, cf, (kvb * kv0 + row) * inv_bw):
+            times = self.decode_steps(work, steps, num_sms, co, co_sms)
+            return times, times.cumsum()
+        L = float(work.num_layers)
+        times = [((kvb * (kv0 + i * seqs) + row) * inv_bw) * L + rest for i in range(steps)]
+        return times, np.fromiter(accumulate(times), np.float64, steps)
+
+    def _decode_setup(self, work: Work, num_sms, co: Work | None, co_sms) -> tuple[int, float, float, float]:
+        """(SMs, compute slowdown, seconds per byte, everything but attention) of a decode step of ``work``."""
         if type(num_sms) is int and 0 < num_sms <= self.num_sms:
             n = num_sms
         else:
@@ -268,25 +309,13 @@ class RooflineModel:
         if co is not None and not (type(co_sms) is int and 0 <= co_sms <= self.num_sms - n):
             n, co_sms = shared_sms(n, co_sms, work, co, self.num_sms)
         cf, inv_bw = self._contention(n, False, co, co_sms)
-        rest = self._rest(work, n, False, cf, inv_bw)
-        # kv_read + i * seqs: integers, exact in floats however they are computed (one arange call)
-        kv_read = np.arange(work.kv_read, work.kv_read + steps * work.seqs, work.seqs, dtype=np.float64)
-        # Decode attention is nearly always memory-bound: when even the last step's compute time, at the
-        # slowest per-SM rate and with a spare wave, stays below the first step's memory time, max() is
-        # the memory time at every step and the compute term need not be evaluated (same numbers).
-        # in place: the same operations, fewer arrays; integers as floats (exact; numpy converts a Python int
-        # operand at a cost)
-        att = self._attn_kv_bytes_f * kv_read
-        att += float(self._attn_row_bytes * work.tokens)
-        att *= inv_bw
+        return n, cf, inv_bw, self._rest(work, n, False, cf, inv_bw)
+
+    def _memory_bound(self, work: Work, steps: int, n: int, cf: float, first_memory: float) -> bool:
+        """Every one of ``steps`` decode steps' attention is memory-bound: even the last step's compute time, at
+        the slowest per-SM rate and with a spare wave, stays below the first step's memory time."""
         last_tiles = (work.attn_pairs + (steps - 1) * work.seqs) * self._attn_tiles_per_pair
-        bound = (last_tiles / (n * self.bps) + 1.0) * self._attn_wave_flops * cf * self._inv_c_max
-        if not (steps and bound < att[0]):
-            grow = np.arange(steps, dtype=np.float64) * work.seqs
-            att = self._attention(work.attn_pairs + grow, kv_read, work.tokens, n, True, cf, inv_bw)
-        att *= float(work.num_layers)
-        att += rest
-        return att
+        return (last_tiles / (n * self.bps) + 1.0) * self._attn_wave_flops * cf * self._inv_c_max < first_memory
 
     # ------------------------------------------------------------------ extras
     def gemm_time(self, m: int, n: int, k: int, num_sms, co: Work | None = None, co_sms=0):
