@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--latency", nargs="+", default=["auto"],
                     help="latency models to time: auto, roofline, fitted, or model JSON paths (`bullet fit`)")
     args = ap.parse_args()
+    load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     rows = []
     for policy in args.policy:
         for latency in args.latency:
@@ -47,6 +49,7 @@ def main() -> None:
     print(" | ".join(head))
     for r in rows:
         print(f"{r[0]} | {r[1]} | {r[2]} | {r[3]:.0f} | {r[4]} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.0f}x")
+    print(f"(load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end)")
 
 
 if __name__ == "__main__":
