@@ -241,7 +241,9 @@ def test_summary_records_a_command_that_reproduces_the_run(tmp_path):
     st = first["settings"]
     assert (st["seed"], st["arrival"], st["cv"], st["prefill_sms"], st["layers_per_step"]) == (7, "gamma", 1.5, 84, 4)
     assert st["trace_file"] == str(trace) and len(st["trace_sha256"]) == 64
-    assert st["bullet_version"] == __version__ and st["latency_model"] == "roofline" and st["gpu"] == "h200"
+    # the default latency model is the one shipped for Llama-3.1-8B on the H200
+    assert st["latency_model"] == "fitted: profiles/h200/llama-3.1-8b/model.json"
+    assert st["bullet_version"] == __version__ and st["gpu"] == "h200"
     argv = shlex.split(st["command"])
     assert argv[:2] == ["bullet", "simulate"]
     again = summary_of(runner.invoke(app, [*argv[1:], "--json"]))

@@ -160,7 +160,8 @@ def test_units_share_simulations_and_change_no_answer(monkeypatch):
     import simulator.run
 
     sweep = parse_sweep({"trace": "sharegpt", "num_prompts": "150", "policy": "chunked",
-                         "max_num_batched_tokens": "512,2048", "slo_ttft": "800,3000", "slo_tpot": "40,100"})
+                         "max_num_batched_tokens": "512,2048", "slo_ttft": "800,3000", "slo_tpot": "40,100",
+                         "latency": "roofline"})
     tasks = sweep.tasks()
     count = {"n": 0}
     real = simulator.run.simulate
