@@ -2,7 +2,8 @@
 acceptance): for each policy a server is started (prefix caching off, as in the simulation: each rate sends the
 same prompts again), each rate's requests are streamed to it by `bullet bench`
 (the trace's arrivals rescaled to the rate, ignore_eos so every request generates its trace length), the
-server is stopped, and `bullet simulate` runs the same trace, rate, policy and latency model. Prints failed
+server is stopped, and `bullet simulate` runs the same trace, rate, policy and latency model, planning as the
+server's engine does (`--fuse-window-ms`: launches end a window ahead, not at the next arrival). Prints failed
 requests, TTFT / TPOT (mean, p50, p90) real (client side) vs simulated, and the server's own mean TTFT, ITL and
 E2E over the run (its /metrics histograms: request received to token sampled, no HTTP delivery), which tells the
 engine's delay from the server's, and the two delays of live serving the simulation does not have: intake
@@ -93,15 +94,20 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--skip-oversized", action="store_true",
                     help="simulate without the requests the model cannot hold (the server answers them 400)")
-    ap.add_argument("--fuse-window-ms", type=float, default=None,
-                    help="bullet run --fuse-window-ms (its default where not given)")
+    ap.add_argument("--fuse-window-ms", type=float, default=10.0,
+                    help="bullet run --fuse-window-ms; the simulation plans with the same window (bullet simulate "
+                         "--fuse-window-ms)")
+    ap.add_argument("--sim-plans-to-arrivals", action="store_true",
+                    help="simulate as a trace replay (planning to the next arrival) instead of with the server's "
+                         "window")
     ap.add_argument("--out", type=Path, default=Path("serve_vs_sim"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     common = ["--model", args.model, "--latency", args.latency]
     work = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--slo", args.slo]
-    window = [] if args.fuse_window_ms is None else ["--fuse-window-ms", str(args.fuse_window_ms)]
+    window = ["--fuse-window-ms", str(args.fuse_window_ms)]
+    sim_window = [] if args.sim_plans_to_arrivals else window
     rows = []
     for policy in args.policies:
         flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
@@ -128,8 +134,8 @@ def main() -> None:
             proc.wait(timeout=120)
         for rate in args.rates:
             skip = ["--skip-oversized"] if args.skip_oversized else []
-            res = subprocess.run([*CLI, "simulate", *common, *flags, *work, *skip, "--request-rate", str(rate),
-                                  "--json"], check=False, capture_output=True, text=True)
+            res = subprocess.run([*CLI, "simulate", *common, *flags, *work, *skip, *sim_window, "--request-rate",
+                                  str(rate), "--json"], check=False, capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"bullet simulate failed:\n{res.stderr[-2000:]}")
             sim = json.loads(res.stdout)

@@ -43,6 +43,7 @@ from .cli_options import (
     DEFAULT_TRACE,
     HARDWARE,
     OUTPUT,
+    POLICY,
     POLICY_FLAGS,
     WORKLOAD,
     AdmissionControlOpt,
@@ -259,6 +260,8 @@ def reproduce_command(st: dict) -> str:
         args += ["--max-concurrency", str(st["max_concurrency"])]
     if st["skip_oversized"]:
         args.append("--skip-oversized")
+    if st.get("fuse_window_ms") is not None:
+        args += ["--fuse-window-ms", repr(st["fuse_window_ms"])]
     args += ["--policy", st["policy"], "--max-num-seqs", str(st["max_num_seqs"]),
              "--max-num-batched-tokens", str(st["max_num_batched_tokens"])]
     for flag, (param, _) in POLICY_FLAGS.items():
@@ -305,6 +308,11 @@ def simulate(
         "--skip-oversized", help="Leave out requests longer than the model or the whole KV cache (counted in "
         "the summary) instead of stopping at the first.", rich_help_panel=WORKLOAD)] = False,
     hash_block_size: HashBlockSizeOpt = DEFAULT_HASH_BLOCK_SIZE,
+    fuse_window_ms: Annotated[float | None, typer.Option(
+        help="Plan as a live `bullet run --fuse-window-ms MS` engine does, not knowing the next arrival: fused "
+             "decode launches end this far ahead (and, on the whole GPU, a launch that samples a first token "
+             "ends with it), to compare with a live server. [default: plan to the next arrival]",
+        show_default=False, rich_help_panel=POLICY)] = None,
     policy: PolicyOpt = DEFAULT_POLICY,
     max_num_seqs: MaxNumSeqsOpt = DEFAULT_MAX_NUM_SEQS,
     max_batched_tokens: MaxBatchedTokensOpt = DEFAULT_MAX_BATCHED_TOKENS,
@@ -344,7 +352,10 @@ def simulate(
     # Everything that can be wrong is found before the simulation runs.
     check_finite({"--request-rate": request_rate, "--cv": cv, "--burstiness": burstiness, "--slo-ttft": slo_ttft,
                   "--slo-tpot": slo_tpot, "--slo-ttft-per-token": slo_ttft_per_token, "--slo-margin": slo_margin,
-                  "--gpu-memory-utilization": gpu_memory_utilization}, allow_inf=("--request-rate",))
+                  "--gpu-memory-utilization": gpu_memory_utilization, "--fuse-window-ms": fuse_window_ms},
+                 allow_inf=("--request-rate",))
+    if fuse_window_ms is not None and fuse_window_ms <= 0:
+        raise fail(f"--fuse-window-ms must be a positive number of milliseconds, got {fuse_window_ms:g}")
     arrival, cv = arrival_settings(request_rate, arrival, cv, burstiness, given)
     if plot and out is None:
         raise fail("--plot needs --out DIR (the folder the PNG files go to)")
@@ -409,7 +420,8 @@ def simulate(
 
         try:
             result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo_cfg, latency=latency_backend,
-                                    on_finish=advance, max_concurrency=max_concurrency, percentiles=percentiles)
+                                    on_finish=advance, max_concurrency=max_concurrency, percentiles=percentiles,
+                                    live_window=None if fuse_window_ms is None else fuse_window_ms / 1e3)
         except (ConfigError, RuntimeError, ValueError) as e:
             raise fail(str(e)) from None
     summary = result.summary
@@ -422,7 +434,7 @@ def simulate(
         ("inf" if request_rate == math.inf else request_rate),
         "arrival": arrival.value if generated else None,
         "cv": cv if generated and arrival == Arrival.gamma else None, "seed": seed,
-        "max_concurrency": max_concurrency, "skip_oversized": skip_oversized,
+        "max_concurrency": max_concurrency, "skip_oversized": skip_oversized, "fuse_window_ms": fuse_window_ms,
         "policy": policy.value, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched_tokens,
         "prefill_sms": prefill_sms if policy.value == "static-split" else None,
         "layers_per_step": layers_per_step,

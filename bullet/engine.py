@@ -25,6 +25,7 @@ from .policies.base import Scheduler, SchedulingError
 from .request import Request
 
 ABORTED = "aborted"
+_AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +121,20 @@ class Engine:
         out, self._out = self._out, []
         return out
 
-    def step(self, until: float | None) -> list[Update]:
+    def step(self, until: float | None, horizon: float | None | object = _AT_UNTIL) -> list[Update]:
         """Plan every idle lane, launch, then wait for results until ``until`` (the next known arrival, or
-        when a live server wants control back; None: until a launch returns). Returns the updates since
-        the last call. With ``until`` None, nothing in flight and requests held, nothing could ever move:
-        SchedulingError (a stall)."""
+        when a live server wants control back; None: until a launch returns). ``horizon`` (default:
+        ``until``) is what the policy plans with: the next time something could change its plan, where
+        fused decode stretches end (a live engine, which cannot know the next arrival, plans a window
+        ahead). Returns the updates since the last call. With ``until`` None, nothing in flight and
+        requests held, nothing could ever move: SchedulingError (a stall)."""
         sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
         now = ex.now()
         self.stalled = False
+        plan_to = until if horizon is _AT_UNTIL else horizon
         for lane in lanes:
             if not ex.busy(lane):
-                batch = sched.schedule(lane, now, until)
+                batch = sched.schedule(lane, now, plan_to)
                 if batch is not None:
                     ex.launch(batch)
                     if self.on_launch is not None:
@@ -202,21 +206,39 @@ class Engine:
 
 def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor, *,
           on_step: Callable[[StepResult], None] | None = None,
-          on_finish: Callable[[Request], None] | None = None) -> list[Request]:
+          on_finish: Callable[[Request], None] | None = None,
+          live_window: float | None = None) -> list[Request]:
     """Feed ``requests`` (by arrival time) to ``scheduler``, run its batches on ``executor`` until every
     request has finished; returns them in finishing order. ``on_step`` sees every launch's result. A request
     the scheduler refuses (longer than the model's context or the whole KV cache, or turned away by admission
-    control) is returned at once with ``error`` set, and the others go on."""
+    control) is returned at once with ``error`` set, and the others go on.
+
+    The policy plans to the next arrival, which a trace knows. ``live_window`` (seconds) plans as ``bullet
+    run``'s engine thread does instead (bullet/server/runner.py), not knowing when the next request comes:
+    a window ahead, or to now while a request has no first token yet and one launch may both sample it and
+    fuse decode steps after it (a policy on the whole GPU). Arrivals are still taken the moment they come."""
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     total, nxt = len(pending), 0
     finished: list[Request] = []
     engine = Engine(scheduler, executor, on_step=on_step, on_finish=on_finish)
+    first_fuses = live_window is not None and "all" in scheduler.lanes
+    no_first: dict[int, Request] = {}  # live_window, whole-GPU policy: added, no first token yet
     while len(finished) < total:
         now = executor.now()
         while nxt < total and pending[nxt].arrival <= now:
-            engine.add(pending[nxt])
+            req = pending[nxt]
+            if engine.add(req) and first_fuses:
+                no_first[req.id] = req
             nxt += 1
-        horizon = pending[nxt].arrival if nxt < total else None
-        for u in engine.step(horizon):
+        until = pending[nxt].arrival if nxt < total else None
+        if live_window is None:
+            updates = engine.step(until)
+        else:
+            if no_first:
+                for rid in [rid for rid, r in no_first.items() if r.first_token_time is not None
+                            or r.finish_time is not None]:
+                    del no_first[rid]
+            updates = engine.step(until, horizon=now if no_first else now + live_window)
+        for u in updates:
             finished.append(u.request)  # not streaming: every update is a request that ended
     return finished

@@ -148,7 +148,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
              percentiles: Sequence[float] = PERCENTILES, token_times: bool = False,
              watch: Callable[[Scheduler, list[Request]], None] | None = None,
-             timeline: bool = True) -> SimulationResult:
+             timeline: bool = True, live_window: float | None = None) -> SimulationResult:
     """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
     (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
     returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
@@ -158,7 +158,9 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     latencies come from the pooled gaps (:class:`~bullet.metrics.TokenGaps`), so memory does not grow with
     output tokens. ``watch(scheduler, requests)`` is called once before serving with the scheduler and the
     copies it serves, for a caller that follows their progress (``bullet whatif``'s early stop).
-    ``timeline=False``: no per-launch rows (the summary's launch count and busy times are kept). The summary
+    ``timeline=False``: no per-launch rows (the summary's launch count and busy times are kept).
+    ``live_window`` (seconds): plan as ``bullet run``'s engine thread does with that fuse window, not knowing
+    the next arrival (``serve``'s ``live_window``): to compare with a live server. The summary
     records the configuration (scheduler, cache, SLOs, model, GPU,
     latency model, bullet version)."""
     t0 = time.perf_counter()
@@ -178,7 +180,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing
     try:
         done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu), on_step=line.on_step,
-                     on_finish=on_finish)
+                     on_finish=on_finish, live_window=live_window)
     finally:
         if gc_was_on:
             gc.enable()
@@ -192,6 +194,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
                                           if scheduler.query_tokens else 0.0))
     summary["config"] = {"scheduler": _plain(asdict(sched)), "cache": asdict(cache), "tp": model.tp,
                          "max_concurrency": max_concurrency, "percentiles": list(percentiles),
+                         "live_window_s": live_window,
                          "bullet_version": __version__}
     wall = time.perf_counter() - t0
     summary["sim_wall_s"] = wall

@@ -399,3 +399,17 @@ def test_simulate_plots(tmp_path, policy):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert not list(tmp_path.glob(".*"))
+
+
+def test_fuse_window_plans_as_a_live_server_and_is_recorded():
+    """--fuse-window-ms: launches end a window ahead instead of at the next arrival, so a loaded run makes more
+    (shorter) launches; the setting is recorded and in the reproducing command; bad values are refused."""
+    args = ("--num-prompts", "40", "--request-rate", "4", "--policy", "chunked", "--latency", "roofline", "--json")
+    plain = summary_of(run(*args))
+    live = summary_of(run(*args, "--fuse-window-ms", "10"))
+    assert live["launches"] > plain["launches"]
+    assert live["settings"]["fuse_window_ms"] == 10.0 and "--fuse-window-ms 10.0" in live["settings"]["command"]
+    assert plain["settings"]["fuse_window_ms"] is None and "--fuse-window-ms" not in plain["settings"]["command"]
+    for bad in ("0", "-1", "nan"):
+        res = run("--fuse-window-ms", bad)
+        assert res.exit_code == 2 and "--fuse-window-ms" in res.output and "Traceback" not in res.output

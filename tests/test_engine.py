@@ -315,3 +315,39 @@ def test_runner_ends_stalled_requests_instead_of_spinning():
     assert u.finished and u.reason == "abort" and "stalled" in u.request.error and not sched.waiting
     runner.close(0.0)
     assert runner.join(30)
+
+
+def test_step_plans_to_the_horizon_and_waits_to_until():
+    """``Engine.step(until, horizon=h)``: the policy plans with ``h`` and the executor waits to ``until``; without
+    ``horizon`` both are ``until``."""
+    sched, ex, _ = setup("chunked")
+    planned, waited = [], []
+    schedule, wait = sched.schedule, ex.wait
+    sched.schedule = lambda lane, now, horizon: planned.append(horizon) or schedule(lane, now, horizon)
+    ex.wait = lambda until: waited.append(until) or wait(until)
+    eng = Engine(sched, ex)
+    eng.add(Request(0, 0.0, 100, 50))
+    eng.step(0.5, horizon=0.01)
+    assert (planned, waited) == ([0.01], [0.5])
+    eng.step(0.7)
+    assert (planned[-1], waited[-1]) == (0.7, 0.7)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_live_window_plans_as_the_live_engine(policy):
+    """serve(live_window=w) plans as bullet run's engine thread: no fused launch is planned past ``w`` ahead of
+    its start (beyond one step, the shortest a launch can be), and on the whole GPU a launch that samples a
+    first token is one step. Every request still gets all its tokens."""
+    w = 0.02
+    sched, ex, _ = setup(policy)
+    launches = []
+    reqs = make_requests(60, seed=4)
+    done = serve(reqs, sched, ex, on_step=launches.append, live_window=w)
+    assert sorted(r.id for r in done) == list(range(60)) and all(r.num_output == r.max_new_tokens for r in done)
+    fused = [res for res in launches if res.batch.steps > 1]
+    assert fused  # decode still fuses
+    for res in fused:  # a fused stretch ends within the window, give or take its own last step
+        assert res.step_ends[-2] - res.start <= w + 1e-12, (res.start, res.step_ends)
+    if "all" in sched.lanes:
+        firsts = [res for res in launches if any(c.sample and c.num_tokens > 1 for c in res.batch.chunks)]
+        assert firsts and all(res.batch.steps == 1 for res in firsts)

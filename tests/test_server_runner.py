@@ -1,6 +1,6 @@
-"""The engine thread's wait (bullet/server/runner.py, ``LiveWait``): it returns at the runner's deadline, not at
-the engine's ``until`` (the planning horizon), and earlier when a launch returns or a request comes in. A fake
-executor on a fake clock: no threads, no timing."""
+"""The engine thread's wait (bullet/server/runner.py, ``LiveWait``): it returns at ``until``, in ticks, and
+earlier when a launch returns or a request comes in. A fake executor on a fake clock: no threads, no
+timing."""
 
 from __future__ import annotations
 
@@ -28,31 +28,28 @@ class FakeExecutor:
         return []
 
 
-def test_waits_to_the_deadline_in_ticks_not_to_the_horizon():
+def test_waits_to_until_in_ticks():
     ex, inbox = FakeExecutor(), queue.SimpleQueue()
     w = LiveWait(ex, inbox, tick_s=0.001)
-    w.deadline = 0.01
-    assert w.wait(0.0) == []  # the engine planned with horizon 0 (now); the wait still runs to the deadline
+    assert w.wait(0.01) == []
     assert ex.t == 0.01 and len(ex.calls) == 10 and max(ex.calls) <= 0.01
 
 
 def test_returns_when_a_launch_returns():
     ex = FakeExecutor(launch_end=0.0035)
     w = LiveWait(ex, queue.SimpleQueue(), tick_s=0.001)
-    w.deadline = 0.01
     assert w.wait(0.01) == ["result"] and ex.t == 0.0035
 
 
 def test_returns_when_a_request_comes_in():
     ex, inbox = FakeExecutor(), queue.SimpleQueue()
     w = LiveWait(ex, inbox, tick_s=0.001)
-    w.deadline = 0.01
     inbox.put(("add", None))
     assert w.wait(0.01) == [] and len(ex.calls) == 1 and ex.t == 0.001
 
 
-def test_without_a_deadline_it_is_the_executors_wait():
-    ex = FakeExecutor()
+def test_without_until_it_is_the_executors_wait():
+    ex = FakeExecutor(launch_end=0.5)
     w = LiveWait(ex, queue.SimpleQueue())
-    assert w.wait(0.5) == [] and ex.calls == [0.5]
+    assert w.wait(None) == ["result"] and ex.calls == [None]
     assert w.kv == "the executor's own" and w.now() == 0.5

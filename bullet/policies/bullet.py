@@ -183,7 +183,7 @@ class Bullet(LayerSliced):
     def _prefill_need(self, now: float) -> int:
         """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
         deadline among its requests that can still meet theirs; the smallest size if none can."""
-        chunks, reqs, first = self.job
+        _, reqs, first = self.job
         L, sizes = self.model.num_layers, self.pre_sizes
         left = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
         if left is None:

@@ -6,13 +6,17 @@ and then waits for results:
 - the horizon (what ``Engine.step`` hands the policy as the next time something could change the plan) is
   ``now + window``: a live engine cannot know the next arrival, so fused decode launches that a new request
   could join are sized to end about a window ahead. While a request added here has not had its first token,
-  the horizon is ``now``: a launch that samples a first token then ends with that step. A fused launch's
+  and the policy runs on the whole GPU (one launch may sample a first token and fuse decode steps after it;
+  a split policy's first tokens come from prefill launches, which never fuse), the horizon is ``now``: a
+  launch that samples a first token then ends with that step. A fused launch's
   tokens reach the host only when it ends, so a first token sampled at its first step would reach the client
   up to a window (on the CPU, where the latency model is a GPU's, up to ``max_decode_steps`` steps) after the
   time the server and the simulator count (CPU tiny model: 33 of the 39 ms between the client's TTFT and the
   server's).
 - the wait (:class:`LiveWait`) ends when a launch returns, when a request or abort comes in (it is taken at
   once and may start on an idle lane), or a window after the step began.
+``serve(..., live_window=...)`` (``bullet simulate --live-window-ms``) plans the same way on a trace, so that a
+simulation can be compared with a live server launch for launch.
 
 Shutdown (``close``): no more requests are taken; the engine finishes what it holds until the deadline, then
 aborts the rest (their KV is freed as their launches return) and the thread ends once it is idle. If a step
@@ -40,22 +44,21 @@ class EngineDead(RuntimeError):
 
 
 class LiveWait:
-    """The executor as the runner's engine sees it: ``wait`` returns at the runner's ``deadline`` (not at the
-    ``until`` the engine passes: that is the planning horizon), or earlier when a launch returns or something
-    arrives in ``inbox`` (polled every ``tick_s``). Everything else is the executor's. With ``deadline`` None,
-    ``wait`` is the executor's own. (``Engine.step(until, horizon=...)`` would make this unnecessary.)"""
+    """The executor as the runner's engine sees it: ``wait(until)`` returns at ``until``, or earlier when a
+    launch returns or something arrives in ``inbox`` (polled every ``tick_s``), so that a new request may
+    start on an idle lane at once. Everything else is the executor's. ``until`` None: the executor's own
+    wait."""
 
     def __init__(self, inner: Executor, inbox: queue.SimpleQueue, tick_s: float = 5e-4) -> None:
         self.inner, self.inbox, self.tick_s = inner, inbox, tick_s
-        self.deadline: float | None = None
 
     def wait(self, until: float | None) -> list[StepResult]:
-        inner, deadline = self.inner, self.deadline
-        if deadline is None:
-            return inner.wait(until)
+        inner = self.inner
+        if until is None:
+            return inner.wait(None)
         while True:
-            res = inner.wait(min(deadline, inner.now() + self.tick_s))
-            if res or not self.inbox.empty() or inner.now() >= deadline:
+            res = inner.wait(min(until, inner.now() + self.tick_s))
+            if res or not self.inbox.empty() or inner.now() >= until:
                 return res
 
     def __getattr__(self, name: str):
@@ -80,6 +83,7 @@ class EngineRunner:
         self._wait = LiveWait(engine.executor, self._inbox)
         engine.executor = self._wait  # the engine thread waits through it; nothing else changes
         self._first_pending: set[int] = set()  # taken, no token delivered yet: plan launches to end at it
+        self._first_fuses = "all" in engine.scheduler.lanes  # ... where one launch may sample it and fuse more
         self._lock = threading.RLock()  # orders submissions against the end; re-entrant: a signal handler
         # may call close() on the thread that is inside submit()
         self._taking = True
@@ -139,8 +143,8 @@ class EngineRunner:
                     ups = eng.flush()
                 else:
                     now = eng.executor.now()
-                    self._wait.deadline = now + self.window_s
-                    ups = eng.step(now if self._first_pending else now + self.window_s)
+                    first = self._first_pending and self._first_fuses
+                    ups = eng.step(now + self.window_s, horizon=now if first else now + self.window_s)
                     if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
