@@ -405,3 +405,22 @@ def test_simulate_refuses_a_model_of_another_gpu(real_model):
     assert "Traceback" not in res.output
     res = runner.invoke(app, ["simulate", "--num-requests", "5", "--model", "qwen3-8b", "--latency", "fitted"])
     assert res.exit_code == 2 and "no fitted model for qwen3-8b" in res.output
+
+
+def test_short_decode_stretches_in_plain_floats_equal_the_numpy_path(real_model):
+    """decode_step_ends (plain floats for up to SHORT_STRETCH steps) gives decode_steps and its cumsum to the bit,
+    alone and next to a co-runner, on random batches."""
+    fm = FittedModel.load(real_model, LLAMA, GPUS["h200"])
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        b = int(rng.integers(1, 300))
+        ctx = rng.integers(1, 9000, b)
+        w = Work(32, b, b, float(ctx.sum()), int(ctx.sum()), b, True, int(ctx.max()))
+        n, steps = int(rng.choice([8, 16, 40, 64, 112, 132])), int(rng.integers(1, 25))
+        co, cs = None, 0
+        if n < 132 and rng.random() < 0.5:
+            t = int(rng.integers(100, 8000))
+            co, cs = Work(8, t, 1, t * (t + 1) / 2, t, 1, True, t), 132 - n
+        times, ends = fm.decode_step_ends(w, steps, n, co, cs)
+        ref = fm.decode_steps(w, steps, n, co, cs)
+        assert np.array_equal(np.asarray(times), ref) and np.array_equal(ends, ref.cumsum())

@@ -56,6 +56,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,6 +64,7 @@ import numpy as np
 
 from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, shared_sms
+from .roofline import SHORT_STRETCH
 
 FORMAT = "bullet-fitted-latency"
 FORMAT_VERSION = 1
@@ -348,6 +350,7 @@ class FittedModel:
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
         self._demand: dict[tuple, Any] = {}
         self._parts: dict[tuple, tuple[float, float, float]] = {}
+        self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -398,12 +401,14 @@ class FittedModel:
                 t = self.f["decode_first"].array(self.q.decode(work, n), n)
             else:
                 t = self._decode_step("decode_first", work, n)
-            if co is not None and np.any(co_sms):
+            if co is not None and (np.any(co_sms) if arr else co_sms):
                 t = t * (1.0 + self._slowdown("co_decode", n, co, co_sms, arr))
             return t
-        qv = self.q.eager(self.padded(work), n, self.graphed(work))
-        t = self.f["eager"].array(qv, n) if arr else self.f["eager"].scalar(qv, n)
-        if co is not None and np.any(co_sms):
+        if arr:
+            t = self.f["eager"].array(self.q.eager(self.padded(work), n, self.graphed(work)), n)
+        else:
+            t = self._eager_alone(work, n)
+        if co is not None and (np.any(co_sms) if arr else co_sms):
             t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr))
         if self.host:
             h = self.host_time(work)
@@ -433,6 +438,36 @@ class FittedModel:
         if co is not None and co_sms:
             out *= 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
         return out
+
+    def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
+                         co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
+        """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short stretch (up to
+        ``SHORT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
+        :meth:`decode_steps` does it and summed in order as ``cumsum`` does (numpy's per-call cost is the
+        larger there); the times come as a list then."""
+        if steps > SHORT_STRETCH or steps < 1 or type(num_sms) is not int:
+            times = self.decode_steps(work, steps, num_sms, co, co_sms)
+            return times, times.cumsum()
+        n, _ = check_sms(num_sms, self.num_sms)
+        if work.tokens < 1:
+            raise ValueError(f"a launch needs at least one token, got {work!r}")
+        if co is not None and co_sms:
+            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
+        times = [self._decode_step("decode_first", work, n)]
+        if steps > 1:
+            q = self.q
+            mk = float(work.max_kv or (work.kv_read / max(1, work.seqs)))
+            const, w_kv, w_longest, splits = self._decode_parts("decode_step", work, n)
+            L, kvb, per_block, kv0, seqs = float(work.num_layers), q.kv_bytes, q.k["attn_block_n"], work.kv_read, \
+                work.seqs
+            for i in range(1, steps):
+                kv = L * (kv0 + i * 1.0 * seqs) * kvb * 1e-9
+                longest = L * float(math.ceil(math.ceil((mk + i) / splits) / per_block) * per_block) * 1e-3
+                times.append(const + kv * w_kv + longest * w_longest)
+        if co is not None and co_sms:
+            f = 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
+            times = [t * f for t in times]
+        return times, np.fromiter(accumulate(times), np.float64, steps)
 
     # ---------------------------------------------------------------- parts
     def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float]:
@@ -470,7 +505,18 @@ class FittedModel:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
         if work.tokens == work.seqs:
             return self._decode_step("decode_first", work, n)
-        return self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
+        return self._eager_alone(work, n)
+
+    def _eager_alone(self, work: Work, n: int) -> float:
+        """Stand-alone GPU seconds of an eager (or graphed) prefill or mixed launch, memoised: a policy's
+        searches over SM counts and the simulator's re-times ask for the same launch again and again."""
+        key = (work, n)
+        t = self._eager.get(key)
+        if t is None:
+            if len(self._eager) >= 65536:
+                self._eager.clear()
+            t = self._eager[key] = self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
+        return t
 
     def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
         """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``."""
