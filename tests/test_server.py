@@ -164,6 +164,15 @@ async def _stream(client, url, body) -> tuple[list[int], str, dict]:
     return ids, text, events[-1]["usage"]
 
 
+def stream_all(url: str, bodies: list[dict]) -> list[tuple[list[int], str, dict]]:
+    """Send every body at once as a streaming completion; each one's (ids, text, usage)."""
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(bodies) + 10)) as client:
+            return await asyncio.gather(*(_stream(client, url, b) for b in bodies))
+
+    return asyncio.run(all_at_once())
+
+
 def test_fifty_concurrent_streams_get_exactly_their_tokens(live, weights):
     rng = np.random.default_rng(11)
     bodies = []
@@ -175,11 +184,7 @@ def test_fifty_concurrent_streams_get_exactly_their_tokens(live, weights):
             body.update(temperature=0.9, top_p=0.95, seed=1000 + i)
         bodies.append(body)
 
-    async def all_at_once():
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=60)) as client:
-            return await asyncio.gather(*(_stream(client, live.url, b) for b in bodies))
-
-    results = asyncio.run(all_at_once())
+    results = stream_all(live.url, bodies)
     for body, (ids, text, usage) in zip(bodies, results):
         assert len(ids) == body["max_tokens"] == usage["completion_tokens"]
         assert usage["prompt_tokens"] == len(body["prompt"])
@@ -202,12 +207,7 @@ def test_every_policy_serves_concurrent_streams_exactly(weights, policy, extra):
         bodies = [{"prompt": [int(x) for x in rng.integers(0, SPEC.vocab_size, int(rng.integers(2, 60)))],
                    "max_tokens": int(rng.integers(3, 12)), "stream": True, "return_token_ids": True,
                    "temperature": 0, "stream_options": {"include_usage": True}} for _ in range(12)]
-
-        async def all_at_once():
-            async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(*(_stream(client, s.url, b) for b in bodies))
-
-        for body, (ids, _, _) in zip(bodies, asyncio.run(all_at_once())):
+        for body, (ids, _, _) in zip(bodies, stream_all(s.url, bodies)):
             assert ids == greedy(weights, body["prompt"], body["max_tokens"])
         s.idle()
         assert s.kv.num_free == s.kv.num_blocks
@@ -237,12 +237,7 @@ def test_a_launch_that_samples_a_first_token_ends_with_it(weights):
         bodies = [{"prompt": [int(x) for x in rng.integers(0, SPEC.vocab_size, int(rng.integers(2, 60)))],
                    "max_tokens": 20, "stream": True, "return_token_ids": True, "temperature": 0,
                    "ignore_eos": True, "stream_options": {"include_usage": True}} for _ in range(6)]
-
-        async def all_at_once():
-            async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(*(_stream(client, s.url, b) for b in bodies))
-
-        for body, (ids, _, _) in zip(bodies, asyncio.run(all_at_once())):
+        for body, (ids, _, _) in zip(bodies, stream_all(s.url, bodies)):
             assert ids == greedy(weights, body["prompt"], body["max_tokens"])
         s.idle()
     finally:
