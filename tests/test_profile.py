@@ -67,3 +67,27 @@ def test_profile_without_cuda_says_so(tmp_path):
         pytest.skip("this machine has CUDA")
     res = CliRunner().invoke(app, ["profile", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "no CUDA device" in res.output
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_gpu_grid_point_is_a_legal_launch(quick):
+    """The H200 grids (quick and full, random launches and co-runs included): each point's partition is on the
+    nested menu (prefill sizes on the prefill lane, decode sizes on the decode lane, the whole GPU on 'all'),
+    a co-run pair leaves the two lanes disjoint (p + d <= 132), every chunk fits the model's positions and every
+    layer slice its layers, and the random points are the same on every call (seeded)."""
+    gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
+    menu = {"prefill": set(gpu.prefill_sizes), "decode": set(gpu.decode_sizes), "all": {gpu.num_sms}}
+    pts = grid(spec, (gpu.prefill_sizes, gpu.decode_sizes), quick, kv_tokens=800_000)
+    assert [p.id for p in pts] == [p.id for p in grid(spec, (gpu.prefill_sizes, gpu.decode_sizes), quick,
+                                                        kv_tokens=800_000)]
+    assert len({p.id for p in pts}) == len(pts)
+    for p in pts:
+        assert p.sms in menu[p.lane], p.id
+        if p.co is not None:
+            other = "decode" if p.lane == "prefill" else "prefill"
+            assert p.co_sms in menu[other] and p.sms + p.co_sms <= gpu.num_sms, p.id
+        for shape in (p.shape, p.co) if p.co else (p.shape,):
+            assert all(n + pre <= spec.max_position for n, pre in shape.prefill), p.id
+            assert all(c + shape.steps <= spec.max_position for c in shape.decode), p.id
+            assert shape.layers is None or 1 <= shape.layers <= spec.num_layers, p.id
+    assert sum(p.co is not None for p in pts) >= (32 if quick else 100)

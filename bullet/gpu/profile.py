@@ -165,7 +165,33 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pre = Shape(((n, 0),))
                 pts.append(Point(pre, "prefill", p, dec, d))
                 pts.append(Point(dec, "decode", d, pre, p))
+    if not cpu:
+        pts += sampled_coruns(spec, menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms, 8 if quick else 24, kv_tokens)
     return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
+
+
+def sampled_coruns(spec: ModelSpec, pre_sizes: Sequence[int], dec_sizes: Sequence[int], num_sms: int, pairs: int,
+                   kv_tokens: int | None, seed: int = 1) -> list[Point]:
+    """Seeded random co-runs of the kind a split policy makes, ``pairs`` of them, each measured from both
+    sides: a decode batch of mixed contexts on a random decode size of the menu, next to one prompt (whole or
+    a layer slice) on the largest prefill size that fits beside it. The grid's co-runs cover two splits."""
+    rng = np.random.default_rng(seed)
+    L, pts = spec.num_layers, []
+    while len(pts) < 2 * pairs:
+        d = int(rng.choice(list(dec_sizes)))
+        fits = [p for p in pre_sizes if p + d <= num_sms]
+        if not fits:
+            continue
+        p = max(fits)
+        new = int(rng.choice((512, 1024, 2048, 4096, 8192)))
+        pre = Shape(((new, 0),), layers=[None, L // 4, L // 2][int(rng.integers(3))])
+        bs = int(rng.choice((16, 32, 64, 128, 192)))
+        ctx = tuple(sorted((int(c) for c in rng.choice((512, 1024, 2048, 4096), bs)), reverse=True))
+        if sum(ctx) + 600 * bs + new > 0.5 * (kv_tokens or 10**9):
+            continue
+        dec = Shape(decode=ctx, steps=8)
+        pts += [Point(pre, "prefill", p, dec, d), Point(dec, "decode", d, pre, p)]
+    return pts
 
 
 def sampled(spec: ModelSpec, pre_sizes: Sequence[int], num_sms: int, count: int, kv_tokens: int | None,
