@@ -691,7 +691,8 @@ def print_summary(s: dict, console: Console) -> None:
         tput.add_row("[yellow]left out (--skip-oversized)[/yellow]", f"{s['skipped_oversized']:,}")
     tput.add_row("preemptions", str(s["preemptions"]))
     if "latency_model" in s:
-        tput.add_row("latency model", s["latency_model"])
+        tput.add_row("latency model", re.sub(r"^fitted: profiles/([^/]+/[^/]+)/model\.json$", r"fitted (shipped, \1)",
+                                             s["latency_model"]))
     if s.get("prefix_caching"):
         tput.add_row("prefix cache hit rate",
                      f"{100 * s['prefix_cache_hit_rate']:.1f} % ({s['prefix_cache_hit_tokens']:,} of "

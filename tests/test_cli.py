@@ -401,6 +401,13 @@ def test_simulate_plots(tmp_path, policy):
     assert not list(tmp_path.glob(".*"))
 
 
+def test_the_table_names_the_shipped_model_in_80_columns():
+    res = run("--num-prompts", "20", env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "fitted (shipped, h200/llama-3.1-8b)" in res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+
+
 def test_fuse_window_plans_as_a_live_server_and_is_recorded():
     """--fuse-window-ms: launches end a window ahead instead of at the next arrival, so a loaded run makes more
     (shorter) launches; the setting is recorded and in the reproducing command; bad values are refused."""
