@@ -166,7 +166,7 @@ def parse_list(text: str, kind, flag: str) -> list:
 def print_summary(reports, policy: str, max_error: float, console: Console) -> None:
     """One row per run: the gated errors side by side."""
     t = Table(title=f"{policy} · simulator error per run (gated at {max_error:g} %)", title_justify="left")
-    cols = [name for name in ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")]
+    cols = ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")
     for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst"):
         t.add_column(col, justify="left" if col == "trace" else "right")
     for tr, rt, rep in reports:
