@@ -61,8 +61,12 @@ def run(
     tokenizer: Annotated[str, typer.Option(help="'auto' (the model folder's tokenizer.json, else the byte-level "
                                                 "scheme for dummy weights: see the README), 'bytes', or a folder "
                                                 "with tokenizer.json.", rich_help_panel=HARDWARE)] = "auto",
-    device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), or 'cpu' (eager, float32: use --model "
-                                             "tiny-llama).", rich_help_panel=HARDWARE)] = "cuda",
+    device: Annotated[str, typer.Option(help="'cuda' (or 'cuda:N'), 'cpu' (eager, float32: use --model "
+                                             "tiny-llama), or 'sim': no model runs, each launch takes the "
+                                             "latency model's time on --gpu and yields placeholder tokens (a "
+                                             "server paced like that GPU, without one: for clients and for "
+                                             "comparing live serving with bullet simulate).",
+                                        rich_help_panel=HARDWARE)] = "cuda",
     gpu: GpuOpt = DEFAULT_GPU,
     latency: LatencyOpt = DEFAULT_LATENCY,
     policy: PolicyOpt = DEFAULT_POLICY,
@@ -113,7 +117,8 @@ def run(
         from .server import build_server
         from .server.app import run_http
     except ImportError as e:
-        raise fail(f"bullet run needs the server extra and torch ({e}): pip install -e '.[server,gpu]'") from None
+        raise fail(f"bullet run needs the server extra ({e}): pip install -e '.[server]' (and '.[gpu]' for a "
+                   "model on cuda or cpu)") from None
     try:
         check_policy_flags(policy.value, given, layers_per_step, resolve_model(model))
         sizes = parse_sizes(decode_sizes)

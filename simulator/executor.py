@@ -126,6 +126,11 @@ class SimExecutor:
             now, self._pending = self._pending, None
             self._retime(now)
 
+    def next_end(self) -> float | None:
+        """When the first launch in flight ends at the current rates (None: nothing in flight)."""
+        self._settle()
+        return min((f.end for f in self._flights.values()), default=None)
+
     def wait(self, until: float | None) -> list[StepResult]:
         if not self._done:
             self._settle()

@@ -58,7 +58,7 @@ class Live:
     def __init__(self, **kw) -> None:
         kw.setdefault("cache", CacheConfig(num_blocks=256))
         kw.setdefault("sched", SchedulerConfig(max_num_seqs=64, max_decode_steps=8))
-        self.server = build_server(kw.pop("model", "tiny-llama"), device="cpu", **kw)
+        self.server = build_server(kw.pop("model", "tiny-llama"), device=kw.pop("device", "cpu"), **kw)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -245,6 +245,26 @@ def test_a_launch_that_samples_a_first_token_ends_with_it(weights):
     firsts = [b for b in launched if any(c.sample and c.num_tokens > 1 for c in b.chunks)]
     assert firsts and all(b.steps == 1 for b in firsts)
     assert any(b.steps > 1 for b in launched)  # decode launches still fuse
+
+
+def test_device_sim_paces_an_h200_without_a_model():
+    """``--device sim``: Llama-3.1-8B on a simulated H200 (no weights, no torch work): streams complete with
+    their usage, the placeholder ids are each position's letter, the KV is freed, both lanes were used."""
+    s = Live(model="llama-3.1-8b", device="sim", sched=SchedulerConfig(policy="static-split", layers_per_step=8))
+    try:
+        prompt = list(range(65, 65 + 40))
+        bodies = [{"prompt": prompt, "max_tokens": 6, "stream": True, "return_token_ids": True,
+                   "stream_options": {"include_usage": True}} for _ in range(4)]
+        for ids, text, usage in stream_all(s.url, bodies):
+            # positions 40..45 of each request: 'a' + position % 26
+            assert ids == [97 + p % 26 for p in range(40, 46)] and text == "opqrst"
+            assert usage == {"prompt_tokens": 40, "completion_tokens": 6, "total_tokens": 46}
+        s.idle()
+        assert s.kv.num_free == s.kv.num_blocks
+        lanes = {dict(lab)["lane"] for name, lab in s.metrics() if name == "bullet:lane_sms"}
+        assert lanes == {"prefill", "decode"}
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -2,7 +2,8 @@
 
 :func:`build_server` makes the pieces (executor, block manager, scheduler, engine, tokenizer, metrics) and
 returns a :class:`~bullet.server.app.BulletServer`; :func:`~bullet.server.app.run_http` serves it with uvicorn.
-Needs the ``server`` extra (fastapi, uvicorn, prometheus-client, jinja2) and torch.
+Needs the ``server`` extra (fastapi, uvicorn, prometheus-client, jinja2), and torch for a model on ``cuda`` or
+``cpu``; ``device="sim"`` runs no model (:class:`simulator.paced.PacedExecutor`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
     ``weights``: "auto" (the folder's safetensors if it has any, else seeded dummy weights), "dummy", or a
     folder. ``tokenizer``: "auto" (the model folder's tokenizer.json, else the byte-level scheme), None (the
     byte-level scheme) or a folder. ConfigError naming the flag for bad values."""
-    import torch
+    from simulator.run import latency_model
 
     from ..engine import Engine
-    from ..gpu.executor import GpuExecutor
     from ..kvcache import BlockManager
     from ..perfmodel.base import CachedLatency
     from ..policies import make_scheduler
@@ -45,9 +45,42 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
     elif tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").exists():
         raise ConfigError(f"--tokenizer {tokenizer}: no tokenizer.json there")
     tok = load_tokenizer(tokenizer, spec.vocab_size)
+    base = latency_model(latency, spec, gpu_spec)
+    latency_cache = CachedLatency(base)
+    if device == "sim":  # no model runs: launches take the latency model's time (simulator/paced.py)
+        from simulator.executor import SimExecutor
+        from simulator.paced import PacedExecutor
+
+        ex = PacedExecutor(SimExecutor(latency_cache, spec.num_layers, gpu_spec))
+        num_blocks, thread_init = cache.blocks_for(spec, gpu_spec), None
+    else:
+        ex, thread_init = _model_executor(spec, gpu_spec, gpu, device, weights, cache, sched, seed, use_graphs)
+        num_blocks = ex.kv.num_blocks
+    try:
+        kv = BlockManager(num_blocks, cache.block_size, cache.prefix_caching)
+        scheduler = make_scheduler(sched, spec, gpu_spec, kv, latency_cache, eos_token_id=tok.eos_token_id, slo=slo)
+    except BaseException:
+        ex.close()
+        raise
+    name = served_model_name or model
+    metrics = ServerMetrics(name, base, spec.num_layers)
+    engine = Engine(scheduler, ex, stream=True, on_launch=metrics.on_launch, on_step=metrics.on_step)
+    return BulletServer(engine, tok, metrics, model_name=name, max_waiting=max_waiting, api_key=api_key,
+                        window_s=window_s, thread_init=thread_init)
+
+
+def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: CacheConfig, sched: SchedulerConfig,
+                    seed: int, use_graphs: bool):
+    """The GpuExecutor on ``device`` (CUDA or the CPU), warmed up, with the policy's graphs captured; and the
+    engine thread's initialiser (its CUDA device)."""
+    import torch
+
+    from ..gpu.executor import GpuExecutor, prepare_graphs
+
     cpu = torch.device(device).type == "cpu"
     if not cpu and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device here (use --device cpu --model tiny-llama)")
+        raise ConfigError(f"--device {device}: no CUDA device here (use --device cpu --model tiny-llama, or "
+                          "--device sim)")
     num_blocks = cache.num_blocks or (CPU_NUM_BLOCKS if cpu else None)
     ex = GpuExecutor(spec, weights, device, block_size=cache.block_size, num_blocks=num_blocks,
                      gpu_memory_utilization=cache.gpu_memory_utilization, seed=seed, use_graphs=use_graphs)
@@ -56,24 +89,11 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
             raise ConfigError(f"--gpu {gpu}: {gpu_spec.num_sms} SMs, but the device has {ex.menu.num_sms}")
         ex.warmup()
         if not cpu and use_graphs:  # decode graphs of the policy's partitions, before the first request
-            from ..gpu.executor import prepare_graphs
-
             prepare_graphs(ex, sched, gpu_spec)
-        from simulator.run import latency_model
-
-        base = latency_model(latency, spec, gpu_spec)
-        kv = BlockManager(ex.kv.num_blocks, cache.block_size, cache.prefix_caching)
-        scheduler = make_scheduler(sched, spec, gpu_spec, kv, CachedLatency(base), eos_token_id=tok.eos_token_id,
-                                   slo=slo)
     except BaseException:
         ex.close()
         raise
-    name = served_model_name or model
-    metrics = ServerMetrics(name, base, spec.num_layers)
-    engine = Engine(scheduler, ex, stream=True, on_launch=metrics.on_launch, on_step=metrics.on_step)
-    thread_init = None if cpu else (lambda: torch.cuda.set_device(ex.device))
-    return BulletServer(engine, tok, metrics, model_name=name, max_waiting=max_waiting, api_key=api_key,
-                        window_s=window_s, thread_init=thread_init)
+    return ex, None if cpu else (lambda: torch.cuda.set_device(ex.device))
 
 
 __all__ = ["CPU_NUM_BLOCKS", "build_server"]
