@@ -13,6 +13,10 @@ loop: a launch's tokens come out when it ends).
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
         --skip-oversized
+    python3 bench/serve_vs_sim.py --device sim --policies chunked static-split bullet --rates 4 8
+
+``--device sim`` (no GPU): the server's launches take the latency model's time (simulator/paced.py), so what
+differs from the simulation is the live path's own cost.
 
 ``--out`` gets the server logs, each rate's bench JSON, and results.json (every real and simulated summary).
 """
