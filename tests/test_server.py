@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from bullet.config import MODELS, CacheConfig, SchedulerConfig
+from bullet.config import MODELS, CacheConfig, ConfigError, SchedulerConfig
 from bullet.gpu.model import reference_forward
 from bullet.gpu.weights import load_weights
 from bullet.server import build_server
@@ -245,6 +245,12 @@ def test_a_launch_that_samples_a_first_token_ends_with_it(weights):
     firsts = [b for b in launched if any(c.sample and c.num_tokens > 1 for c in b.chunks)]
     assert firsts and all(b.steps == 1 for b in firsts)
     assert any(b.steps > 1 for b in launched)  # decode launches still fuse
+
+
+@pytest.mark.parametrize("device", ["foo", "tpu:0", ""])
+def test_an_unknown_device_is_refused_by_name(device):
+    with pytest.raises(ConfigError, match="--device"):
+        build_server("tiny-llama", device=device)
 
 
 def test_device_sim_paces_an_h200_without_a_model():

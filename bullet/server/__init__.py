@@ -77,7 +77,13 @@ def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: 
 
     from ..gpu.executor import GpuExecutor, prepare_graphs
 
-    cpu = torch.device(device).type == "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: not 'cuda', 'cuda:N', 'cpu' or 'sim'")
+    cpu = kind == "cpu"
     if not cpu and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device here (use --device cpu --model tiny-llama, or "
                           "--device sim)")
