@@ -47,15 +47,23 @@ class Engine:
 
     ``stream``: report every request's new tokens after each launch (live serving); otherwise only finished
     requests are reported (trace replay: no per-token work on the simulator's hot path). ``on_launch`` sees
-    every batch launched, ``on_step`` every launch's result, ``on_finish`` every request that ends."""
+    every batch launched, ``on_step`` every launch's result, ``on_finish`` every request that ends.
+
+    ``live_window`` (seconds): plan as a live engine must, not knowing the next arrival: a window ahead of
+    now, or to now while an added request has no first token yet and the policy runs on the whole GPU (one
+    launch may both sample that token and fuse decode steps after it, holding the token back until it ends;
+    a split policy's first tokens come from prefill launches, which never fuse). None: plan to ``until``."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *, stream: bool = False,
                  on_launch: Callable[[Batch], None] | None = None,
                  on_step: Callable[[StepResult], None] | None = None,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None,
+                 live_window: float | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.stream = stream
+        self.live_window = live_window
+        self._no_first: dict[int, Request] | None = {} if "all" in scheduler.lanes else None
         self.on_launch, self.on_step, self.on_finish = on_launch, on_step, on_finish
         self.held: dict[int, Request] = {}  # added and not finished, by id
         self.stalled = False  # the last step found requests held, nothing in flight and nothing to launch
@@ -78,7 +86,20 @@ class Engine:
         except (SchedulingError, ValueError) as e:  # this request cannot be served at all: reject it alone
             return self._refuse(req, str(e))
         self.held[req.id] = req
+        if self.live_window is not None and self._no_first is not None:
+            self._no_first[req.id] = req
         return True
+
+    def _horizon(self, now: float) -> float:
+        """The live planning horizon (see the class): now + live_window, or now while a first token is due."""
+        waiting = self._no_first
+        if waiting:
+            for rid in [rid for rid, r in waiting.items() if r.first_token_time is not None
+                        or rid not in self.held]:
+                del waiting[rid]
+            if waiting:
+                return now
+        return now + self.live_window
 
     def _refuse(self, req: Request, why: str) -> bool:
         """End a request the engine never held (its id may be another's: touch nothing of that one)."""
@@ -123,15 +144,17 @@ class Engine:
 
     def step(self, until: float | None, horizon: float | None | object = _AT_UNTIL) -> list[Update]:
         """Plan every idle lane, launch, then wait for results until ``until`` (the next known arrival, or
-        when a live server wants control back; None: until a launch returns). ``horizon`` (default:
-        ``until``) is what the policy plans with: the next time something could change its plan, where
-        fused decode stretches end (a live engine, which cannot know the next arrival, plans a window
-        ahead). Returns the updates since the last call. With ``until`` None, nothing in flight and
+        when a live server wants control back; None: until a launch returns). ``horizon`` is what the policy
+        plans with: the next time something could change its plan, where fused decode stretches end (default:
+        ``until``, or the live horizon with ``live_window``). Returns the updates since the last call. With ``until`` None, nothing in flight and
         requests held, nothing could ever move: SchedulingError (a stall)."""
         sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
         now = ex.now()
         self.stalled = False
-        plan_to = until if horizon is _AT_UNTIL else horizon
+        if horizon is not _AT_UNTIL:
+            plan_to = horizon
+        else:
+            plan_to = until if self.live_window is None else self._horizon(now)
         for lane in lanes:
             if not ex.busy(lane):
                 batch = sched.schedule(lane, now, plan_to)
@@ -214,31 +237,17 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
     control) is returned at once with ``error`` set, and the others go on.
 
     The policy plans to the next arrival, which a trace knows. ``live_window`` (seconds) plans as ``bullet
-    run``'s engine thread does instead (bullet/server/runner.py), not knowing when the next request comes:
-    a window ahead, or to now while a request has no first token yet and one launch may both sample it and
-    fuse decode steps after it (a policy on the whole GPU). Arrivals are still taken the moment they come."""
+    run``'s engine thread does instead, not knowing when the next request comes (:class:`Engine`'s
+    ``live_window``). Arrivals are still taken the moment they come."""
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     total, nxt = len(pending), 0
     finished: list[Request] = []
-    engine = Engine(scheduler, executor, on_step=on_step, on_finish=on_finish)
-    first_fuses = live_window is not None and "all" in scheduler.lanes
-    no_first: dict[int, Request] = {}  # live_window, whole-GPU policy: added, no first token yet
+    engine = Engine(scheduler, executor, on_step=on_step, on_finish=on_finish, live_window=live_window)
     while len(finished) < total:
         now = executor.now()
         while nxt < total and pending[nxt].arrival <= now:
-            req = pending[nxt]
-            if engine.add(req) and first_fuses:
-                no_first[req.id] = req
+            engine.add(pending[nxt])
             nxt += 1
-        until = pending[nxt].arrival if nxt < total else None
-        if live_window is None:
-            updates = engine.step(until)
-        else:
-            if no_first:
-                for rid in [rid for rid, r in no_first.items() if r.first_token_time is not None
-                            or r.finish_time is not None]:
-                    del no_first[rid]
-            updates = engine.step(until, horizon=now if no_first else now + live_window)
-        for u in updates:
+        for u in engine.step(pending[nxt].arrival if nxt < total else None):
             finished.append(u.request)  # not streaming: every update is a request that ended
     return finished

@@ -140,7 +140,7 @@ class CachedLatency:
         self._works: dict[int, tuple[Batch, int, Work]] = {}  # id(batch) -> (batch, layers, its work)
         self._ekey: tuple | None = None
         self._ends = np.zeros(0)
-        # (times, their cumsum) of a decode stretch, where the model has it (RooflineModel.decode_step_ends)
+        # (times, their cumsum) of a decode stretch, where the model has it (decode_step_ends: roofline, fitted)
         self._step_ends = getattr(model, "decode_step_ends", None)
 
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):

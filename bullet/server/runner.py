@@ -1,21 +1,18 @@
 """The engine's own thread: requests and aborts come in through a thread-safe queue, every step's updates go
 out through ``deliver`` (called on the engine thread; the server hands them to its event loop).
 
-The thread blocks on the queue while the engine is idle. Otherwise each step plans idle lanes with a horizon
-and then waits for results:
-- the horizon (what ``Engine.step`` hands the policy as the next time something could change the plan) is
-  ``now + window``: a live engine cannot know the next arrival, so fused decode launches that a new request
-  could join are sized to end about a window ahead. While a request added here has not had its first token,
-  and the policy runs on the whole GPU (one launch may sample a first token and fuse decode steps after it;
-  a split policy's first tokens come from prefill launches, which never fuse), the horizon is ``now``: a
-  launch that samples a first token then ends with that step. A fused launch's
-  tokens reach the host only when it ends, so a first token sampled at its first step would reach the client
-  up to a window (on the CPU, where the latency model is a GPU's, up to ``max_decode_steps`` steps) after the
-  time the server and the simulator count (CPU tiny model: 33 of the 39 ms between the client's TTFT and the
-  server's).
+The thread blocks on the queue while the engine is idle. Otherwise each step plans idle lanes and then waits
+for results:
+- the engine plans with its live horizon (``Engine``'s ``live_window`` = the window): a live engine cannot know
+  the next arrival, so fused decode launches that a new request could join are sized to end about a window
+  ahead; and while a request has no first token on a whole-GPU policy, to now, so that the launch sampling it
+  ends with that step. A fused launch's tokens reach the host only when it ends, so a first token sampled at
+  its first step would otherwise reach the client up to a window (on the CPU, where the latency model is a
+  GPU's, up to ``max_decode_steps`` steps) after the time the server and the simulator count (CPU tiny model:
+  33 of the 39 ms between the client's TTFT and the server's).
 - the wait (:class:`LiveWait`) ends when a launch returns, when a request or abort comes in (it is taken at
   once and may start on an idle lane), or a window after the step began.
-``serve(..., live_window=...)`` (``bullet simulate --live-window-ms``) plans the same way on a trace, so that a
+``serve(..., live_window=...)`` (``bullet simulate --fuse-window-ms``) plans the same way on a trace, so that a
 simulation can be compared with a live server launch for launch.
 
 Shutdown (``close``): no more requests are taken; the engine finishes what it holds until the deadline, then
@@ -82,8 +79,7 @@ class EngineRunner:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wait = LiveWait(engine.executor, self._inbox)
         engine.executor = self._wait  # the engine thread waits through it; nothing else changes
-        self._first_pending: set[int] = set()  # taken, no token delivered yet: plan launches to end at it
-        self._first_fuses = "all" in engine.scheduler.lanes  # ... where one launch may sample it and fuse more
+        engine.live_window = window_s  # plan a window ahead (Engine's live horizon)
         self._lock = threading.RLock()  # orders submissions against the end; re-entrant: a signal handler
         # may call close() on the thread that is inside submit()
         self._taking = True
@@ -142,9 +138,7 @@ class EngineRunner:
                 if eng.idle:
                     ups = eng.flush()
                 else:
-                    now = eng.executor.now()
-                    first = self._first_pending and self._first_fuses
-                    ups = eng.step(now + self.window_s, horizon=now if first else now + self.window_s)
+                    ups = eng.step(eng.executor.now() + self.window_s)
                     if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
@@ -152,11 +146,6 @@ class EngineRunner:
                     if self.after_step is not None:
                         self.after_step(eng)
                 if ups:
-                    pending = self._first_pending
-                    if pending:
-                        for u in ups:
-                            if u.token_ids or u.finished:
-                                pending.discard(u.request.id)
                     self.deliver(ups)
         except Exception as e:  # the scheduler or the executor raised: its state is not to be trusted
             log.exception("the engine failed")
@@ -172,8 +161,7 @@ class EngineRunner:
                 return
             block = False
             if kind == "add":
-                if eng.add(item):
-                    self._first_pending.add(item.id)
+                eng.add(item)
                 if self.on_take is not None:
                     self.on_take(item, eng.executor.now() - item.arrival)
             elif kind == "abort":
