@@ -8,7 +8,8 @@ GPU's SM clock and power read (NVML) just before each timed launch:
 - ``back-to-back``: the step again and again, each drained before the next (the profile's protocol);
 - ``sustained``: the same after ~10 s of it (the GPU at its power cap);
 - ``after-decode``: each step right after a fused stretch of decode steps (memory-bound: serving's rhythm);
-- ``after-idle``: each step after ``--idle-ms`` of idle GPU.
+- ``after-idle``: each step after ``--idle-ms`` of idle GPU;
+- ``profiler``: `bullet profile`'s own measurement of the same shape (its median over ``--reps``).
 
     python3 bench/launch_conditions.py [--prompt 1984 --rows 64 --context 2048 --reps 15]
     python3 bench/launch_conditions.py --device cpu --model tiny-llama --prompt 48 --rows 4 --context 32 --reps 2
@@ -135,6 +136,13 @@ def main() -> None:
         timed(lambda: run(decode_rows(args.decode_rows, args.context, args.decode_steps), args.decode_steps))
         for _ in range(args.reps)]
     conditions["after-idle"] = [timed(lambda: time.sleep(args.idle_ms / 1e3)) for _ in range(args.reps)]
+    # the profiler's own protocol on the same executor: `bullet profile`'s measurement of this very shape
+    from bullet.gpu.profile import Point, Profiler, Shape
+
+    prof = Profiler(ex, reps=args.reps)
+    pt = Point(Shape(((args.prompt, 0),), (args.context,) * args.rows), "all", n_sms)
+    row = prof.measure(pt)
+    conditions["profiler"] = [{"ms": row["gpu_s"] * 1e3, "clock": None, "power": None}]
 
     pred = None
     if args.latency:
