@@ -8,7 +8,7 @@ GPU's SM clock and power read (NVML) just before each timed launch:
 - ``back-to-back``: the step again and again, each drained before the next (the profile's protocol);
 - ``sustained``: the same after ~10 s of it (the GPU at its power cap);
 - ``after-decode``: each step right after a fused stretch of decode steps (memory-bound: serving's rhythm);
-- ``after-idle``: each step after ``--idle-ms`` of idle GPU;
+- ``after-idle``: each step after ``--idle-ms`` of idle GPU (one condition per gap given);
 - ``profiler``: `bullet profile`'s own measurement of the same shape (its median over ``--reps``).
 
     python3 bench/launch_conditions.py [--prompt 1984 --rows 64 --context 2048 --reps 15]
@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="context of each decode row")
     ap.add_argument("--decode-rows", type=int, default=128, help="rows of the decode stretch (after-decode)")
     ap.add_argument("--decode-steps", type=int, default=4, help="steps of the decode stretch (after-decode)")
-    ap.add_argument("--idle-ms", type=float, default=300.0)
+    ap.add_argument("--idle-ms", type=float, nargs="+", default=[300.0],
+                    help="idle gaps before each step of the after-idle condition(s), one condition per value")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--sustain-s", type=float, default=10.0)
     ap.add_argument("--ids", choices=("random", "constant"), default="random",
@@ -135,7 +136,9 @@ def main() -> None:
     conditions["after-decode"] = [
         timed(lambda: run(decode_rows(args.decode_rows, args.context, args.decode_steps), args.decode_steps))
         for _ in range(args.reps)]
-    conditions["after-idle"] = [timed(lambda: time.sleep(args.idle_ms / 1e3)) for _ in range(args.reps)]
+    for idle in args.idle_ms:
+        name = "after-idle" if len(args.idle_ms) == 1 else f"after-idle {idle:g} ms"
+        conditions[name] = [timed(lambda s=idle / 1e3: time.sleep(s)) for _ in range(args.reps)]
     # the profiler's own protocol on the same executor: `bullet profile`'s measurement of this very shape
     from bullet.gpu.profile import Point, Profiler, Shape
 

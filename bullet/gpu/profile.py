@@ -339,7 +339,8 @@ class Profiler:
         row = self._row(pt, batch, runs)
         row["overlap"] = float(np.median(overlaps))
         if np.isnan(row["step_s"]):  # no decode step ran mostly next to the prefill (on the CPU, lanes take
-            row["step_s"], row["overlap"] = row["gpu_s"] / max(1, steps), 0.0  # turns): a solo step, overlap 0
+            # turns; on the GPU, a prefill shorter than half a step): a solo step over the stretch, overlap 0
+            row["step_s"], row["overlap"], row["steps"] = row["gpu_s"] / max(1, steps), 0.0, steps
         return row
 
     def _row(self, pt: Point, batch: Batch, runs: list) -> dict:
