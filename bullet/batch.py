@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -34,6 +35,9 @@ class Chunk(NamedTuple):
     sampling: SamplingParams = GREEDY
 
 
+_SAMPLE = attrgetter("sample")  # (a C-level test per chunk: every fused launch checks its chunks)
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """One launch on one lane. ``steps > 1`` fuses steps: the chunks as given, then ``steps - 1`` decode
@@ -47,7 +51,7 @@ class Batch:
     cached_tokens: int = 0  # prompt tokens of requests first admitted into this launch that hit the prefix cache
 
     def __post_init__(self) -> None:
-        if self.steps > 1 and not all(c.sample for c in self.chunks):
+        if self.steps > 1 and not all(map(_SAMPLE, self.chunks)):
             raise ValueError("a fused multi-step batch needs every chunk to sample")
 
     @property

@@ -11,7 +11,7 @@ used before; simpy's generality cost about a tenth of a simulation's time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from heapq import heappop, heappush
 
 import numpy as np
@@ -26,14 +26,16 @@ from bullet.perfmodel.base import batch_work, step_ends
 class _Flight:
     batch: Batch
     work: Work
+    sms: int  # the batch's partition size
+    steps: int  # the batch's fused steps
     start: float
-    cum: np.ndarray | None  # a fused launch: each step's end, seconds after start at the first rate
+    cum: np.ndarray | None = None  # a fused launch: each step's end, seconds after start at the first rate
     duration: float = 0.0  # at the current rate
     progress: float = 0.0  # fraction done at ``mark``
     mark: float = 0.0
     end: float = 0.0
     token: int = 0  # the live clock entry's number (0: none yet)
-    knots: list[tuple[float, float]] = field(default_factory=list)  # (time, progress) where rate changed
+    knots: list[tuple[float, float]] | None = None  # (time, progress) where the rate changed (None: never)
 
 
 class SimExecutor:
@@ -60,43 +62,54 @@ class SimExecutor:
         """Nothing to forget: the simulator keeps no per-request state."""
 
     def launch(self, batch: Batch) -> None:
-        lane = batch.partition.lane
-        if lane in self._flights:
+        part = batch.partition
+        lane, flights = part.lane, self._flights
+        if lane in flights:
             raise RuntimeError(f"lane {lane!r} already has a batch in flight")
-        check_launch(batch, (f.batch for f in self._flights.values()), self.sizes, self.num_sms)
+        check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
         now = self._now
         work = batch_work(self.latency, batch, self.num_layers)
-        self._flights[lane] = _Flight(batch, work, now, None, mark=now)
+        f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, now, mark=now)
         self._pending = None  # (pending since now: this re-time covers it, see _finish)
-        self._retime(now)
-
-    def _co(self, f: _Flight) -> tuple[Work | None, int]:
-        for other in self._flights.values():
-            if other is not f:
-                return other.work, other.batch.partition.num_sms
-        return None, 0
+        if len(flights) == 1:
+            self._time(lane, f, now, None, 0)
+        else:  # the other lane's rate changes too
+            for other_lane, other in flights.items():
+                if other is not f:
+                    self._time(other_lane, other, now, work, f.sms)
+                    self._time(lane, f, now, other.work, other.sms)
 
     def _retime(self, now: float) -> None:
         """(Re)compute every flight's end for the current set of co-runners."""
-        for lane, f in self._flights.items():
-            co, co_sms = self._co(f)
-            sms = f.batch.partition.num_sms
-            if f.batch.steps > 1:
-                cum = step_ends(self.latency, f.work, f.batch.steps, sms, co, co_sms)
-                duration = float(cum[-1])
-                if f.cum is None:
-                    f.cum = cum
+        flights = list(self._flights.items())
+        if len(flights) == 1:
+            lane, f = flights[0]
+            self._time(lane, f, now, None, 0)
+        else:
+            for (lane, f), (_, other) in zip(flights, flights[::-1]):
+                self._time(lane, f, now, other.work, other.sms)
+
+    def _time(self, lane: Lane, f: _Flight, now: float, co: Work | None, co_sms: int) -> None:
+        """(Re)compute ``f``'s end next to ``co`` (on ``co_sms`` SMs; None: alone) from ``now`` on."""
+        if f.steps > 1:
+            cum = step_ends(self.latency, f.work, f.steps, f.sms, co, co_sms)
+            duration = float(cum[-1])
+            if f.cum is None:
+                f.cum = cum
+        else:
+            duration = float(self.latency.predict(f.work, f.sms, co, co_sms))
+        if f.duration:  # already running: conserve progress, change rate
+            f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
+            if f.knots is None:
+                f.knots = [(now, progress)]
             else:
-                duration = float(self.latency.predict(f.work, sms, co, co_sms))
-            if f.duration:  # already running: conserve progress, change rate
-                f.progress = min(1.0, f.progress + (now - f.mark) / f.duration)
-                f.knots.append((now, f.progress))
-            f.mark, f.duration = now, duration
-            end = now + (1.0 - f.progress) * duration
-            if end != f.end or not f.token:
-                self._tokens += 1
-                f.end, f.token = end, self._tokens
-                heappush(self._events, (now + (end - now), f.token, lane))  # the sum simpy's timeout makes
+                f.knots.append((now, progress))
+        f.mark, f.duration = now, duration
+        end = now + (1.0 - f.progress) * duration
+        if end != f.end or not f.token:
+            self._tokens += 1
+            f.end, f.token = end, self._tokens
+            heappush(self._events, (now + (end - now), f.token, lane))  # the sum simpy's timeout makes
 
     def _finish(self, lane: Lane, token: int) -> None:
         f = self._flights.get(lane)
@@ -106,7 +119,7 @@ class SimExecutor:
         end = self._now
         if f.cum is None:
             ends = (end,)
-        elif not f.knots:
+        elif f.knots is None:
             ends = f.start + f.cum
             ends[-1] = end
         else:  # the rate changed on the way: map each step's share of the work onto the timeline

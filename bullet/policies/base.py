@@ -7,7 +7,7 @@ come back (``on_result``), so the same code drives the simulator and the GPU.
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import replace
 
@@ -57,6 +57,7 @@ class Scheduler:
         # inter-token gaps here: memory that does not grow with output tokens (set_token_times).
         self.gaps: TokenGaps | None = None
         self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
+        self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
 
     def keep_token_times(self, keep: bool) -> None:
         """Record each output token's time on its request (the default; streaming needs it), or, with
@@ -285,25 +286,48 @@ class Scheduler:
                                for c in chunks]))
         work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends))  # == work_of()
         if extra > 0 and horizon is not None:
-            cum = step_ends(self.latency, work, extra + 1, partition.num_sms, co, co_sms)
-            # steps that start before the horizon run (the one crossing it included, as unfused steps do)
-            extra = min(extra, int(cum.searchsorted(horizon - now)))
+            extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
         if extra > 0:
-            kv.grow([(r.id, e + extra) for r, e in zip(reqs, ends)])
+            room = kv.tables
+            grow = [(r.id, e + extra) for r, e in zip(reqs, ends) if e + extra > len(room[r.id]) * bs]
+            if grow:  # (most stretches stay within the requests' last blocks)
+                kv.grow(grow)
         else:
             extra = 0
         batch = Batch(partition, self.all_layers, tuple(chunks), extra + 1)
         note_work(self.latency, batch, self.model.num_layers, work)  # the simulator needs it too
         return self._launch(lane, batch, reqs)
 
+    def _steps_before(self, work: Work, extra: int, budget: float, num_sms: int, co: Work | None,
+                      co_sms: int) -> int:
+        """Of ``extra`` decode steps after ``work``'s first step, those that start within ``budget`` seconds
+        (the one crossing it included, as unfused steps do). The stretch is timed only as far as the answer
+        needs: first to a guess from the last stretch's step time, and to all ``extra + 1`` steps only if
+        every guessed step ends in time. The first entries of a cumulative sum do not depend on its length,
+        so the answer is the same; most stretches stop after a few steps of the hundreds allowed."""
+        steps = extra + 1
+        per_step = self._step_s
+        if per_step > 0.0 and budget < per_step * steps:
+            guess = max(2, int(budget / per_step * 1.25) + 2)
+            if guess < steps:
+                cum = step_ends(self.latency, work, guess, num_sms, co, co_sms)
+                within = bisect_left(cum, budget)  # (cum.searchsorted(budget), without numpy's call cost)
+                if within < guess:
+                    self._step_s = cum.item(-1) / guess
+                    return min(extra, within)
+        cum = step_ends(self.latency, work, steps, num_sms, co, co_sms)
+        self._step_s = cum.item(-1) / steps
+        return min(extra, bisect_left(cum, budget))
+
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;
         returns those that got it (the others wait a step, or were evicted)."""
         kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
         grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= len(tables[r.id]) * bs]
-        if len(grow) > kv.num_free:
-            return self._make_room(reqs)
-        kv.grow(grow)
+        if grow:
+            if len(grow) > kv.num_free:
+                return self._make_room(reqs)
+            kv.grow(grow)
         return reqs
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:

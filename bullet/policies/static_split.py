@@ -31,6 +31,8 @@ class StaticSplit(LayerSliced):
 
     def _schedule_prefill(self, now: float) -> Batch | None:
         if self.job is None:
+            if not self.waiting and not self.partial:
+                return None  # nothing to prefill (the usual case when the prefill lane frees up)
             chunks: list[Chunk] = []
             reqs: list[Request] = []
             self._take_prefills(self.cfg.max_batched_tokens, chunks, reqs)
