@@ -1,7 +1,9 @@
 """What one ``bullet`` decision costs on the host: 256 requests decoding and 64 queued (Llama-3.1-8B on an
 H200, roofline or fitted latency model), timed with ``timeit`` over the pieces a launch decision runs:
 the split for a prefill slice (TPOT step budgets, the decode size by bisection, the TTFT risk check and the
-pause check), the queue order (EDF with lateness) and the decode lane's plan.
+pause check), the queue order (EDF with lateness) and the decode lane's idle decoders. The split is timed as a
+launch meets it (a decode launch came back since the last view: the arrays advanced, the view gathered
+afresh) and with the decoding requests unchanged (the gathered arrays reused).
 
     python3 bench/policy_decision.py [--latency roofline|fitted|PATH] [--running 256] [--waiting 64]
 """
@@ -41,10 +43,10 @@ def state(running: int, waiting: int, latency):
         sched.kv.allocate(r.id, r.prompt_len + out)
         r.num_output, r.num_computed = out, r.prompt_len + out - 1
         r.first_token_time = r.arrival + 0.5
-    for i in range(running, running + waiting):
+    for i in range(running, running + waiting + 1):  # the first becomes the prefill job: `waiting` stay queued
         sched.add(Request(i, now - float(rng.uniform(0, 1)), int(rng.integers(100, 3000)), 300))
-    job = [sched.waiting.popleft()]
-    sched._admit(job[0])
+    job = [sched.waiting[0]]
+    sched._admit(job[0])  # (takes it off the queue)
     sched.kv.allocate(job[0].id, job[0].known)
     chunks = (sched._prefill_chunk(job[0], job[0].remaining),)
     sched.job = (chunks, job, 0)
@@ -61,10 +63,22 @@ def main() -> None:
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
     sched, now, work = state(args.running, args.waiting, latency_model(args.latency, model, gpu))
     view = sched._view(sched._decoding(), now)
+    arrays = sched._arrays  # (None below ARRAYS_FROM running requests: the view is a Python pass)
+    slots = arrays.slots(sched._decoders()) if arrays is not None else None
+
+    def came_back():  # a decode launch came back: every decoding request advanced (0 steps: same state)
+        if arrays is not None:
+            arrays.advance(slots, 0)
+
+    def split():
+        return sched._prefill_want(now, work, sched._view(sched._decoding(), now))
+
     cases = {
-        "prefill slice split (_view + _prefill_want)":
-            lambda: sched._prefill_want(now, work, sched._view(sched._decoding(), now)),
-        "  decoding requests and their step budget (_view)": lambda: sched._view(sched._decoding(), now),
+        "prefill slice split after a decode launch came back (advance + _view + _prefill_want)":
+            lambda: (came_back(), split()),
+        "prefill slice split, decoding requests unchanged since the last view": split,
+        "  decoding requests and their step budget (advance + _view)":
+            lambda: (came_back(), sched._view(sched._decoding(), now)),
         "  decode size (_decode_need)": lambda: sched._decode_need(view, work),
         f"queue order, {len(sched.waiting)} waiting (_order)": lambda: sched._order(now),
         "decode lane: idle decoders (_decoders)": sched._decoders,

@@ -268,3 +268,107 @@ def test_abort_of_a_queued_request_forgets_its_deadline():
     sched.add(Request(1, 0.0, 100, 5))
     assert sched.abort(1, 0.01).id == 1
     assert 1 not in sched.deadline and 1 not in sched.target and [r.id for r in sched.waiting] == [0]
+    assert [e[1] for e in sched._by_deadline] == [e[1] for e in sched._by_length] == [0]  # out of _order's lists
+
+
+# ---- incremental state: DecodeArrays and the sorted queue lists equal a from-scratch recomputation ----------
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["join", "advance", "leave", "first"]), st.integers(0, 10**6)),
+                    max_size=60),
+       tpot=st.sampled_from([None, 0.02, 0.1]), seats=st.sampled_from([8, 256]))
+def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
+    """Random joins (some with no token out yet), decode launches coming back (a random subset, or every
+    decoding request), first tokens, finishes and preemptions: after each, the array view equals the Python
+    pass over the same requests to the bit (Work, budget, loan), at several clocks."""
+    from bullet.policies.bullet import DecodeArrays
+
+    sched, _ = make(SloConfig(tpot=tpot), max_num_seqs=seats)
+    arrays = DecodeArrays(tpot, [])
+    live: list[Request] = []
+    rng = np.random.default_rng(len(ops))
+    for i, (op, x) in enumerate(ops):
+        if op == "join" or not live:
+            out = x % 3 and int(x % 50)  # a third have no token out (prefilling)
+            r = Request(i, 0.0, 50 + x % 2000, 1 + x % 400)
+            r.num_output = min(out, r.max_new_tokens - 1)
+            r.num_computed = r.prompt_len + r.num_output - (1 if r.num_output else r.prompt_len)
+            r.first_token_time = float(rng.uniform(0, 5)) if r.num_output else None
+            live.append(r)
+            arrays.join(r)
+        elif op == "advance":
+            dec = [r for r in live if r.num_output]
+            batch = dec if x % 2 else [r for r in dec if rng.random() < 0.5]
+            steps = 1 + x % 8
+            slots = arrays.slots(batch)
+            for r in batch:
+                r.num_computed += steps
+                r.num_output += steps
+            arrays.advance(slots, steps)
+            for r in [r for r in batch if r.num_output >= r.max_new_tokens]:  # finished
+                live.remove(r)
+                arrays.leave(r)
+        elif op == "first":  # a prefill came back: its first token (or a preempted one recomputed)
+            r = live[x % len(live)]
+            r.num_computed = r.prompt_len + r.num_output
+            r.num_output += 1
+            r.first_token_time = r.first_token_time or float(rng.uniform(0, 5))
+            arrays.sync(r)
+        else:  # finished or preempted
+            arrays.leave(live.pop(x % len(live)))
+        sched.running = live
+        for now in (0.0, 2.5, 7.0, 40.0):
+            lend = tpot is not None and len(live) < 0.75 * seats
+            cap, pace = (1.3 * tpot, 0.95 * tpot) if lend else (0.0, 0.0)
+            assert arrays.view(now, lend, cap, pace, L) == sched._view(list(live), now)
+
+
+def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
+    """Overloads with preemption (a small KV pool), a tight TPOT and admission control, with the arrays on from
+    two running requests: every view read from the arrays equals the Python pass, the queue lists equal the
+    fresh queue sorted from scratch at every ordering, and every request's times equal those of a run without
+    the arrays."""
+    import bullet.policies.bullet as mod
+
+    def load(seed):  # long outputs: decode grows past a small pool and preempts
+        rng = np.random.default_rng(seed)
+        t = np.cumsum(rng.exponential(1 / 40.0, 150))
+        return [Request(i, float(t[i]), int(rng.integers(50, 1500)), int(rng.integers(1, 400))) for i in range(150)]
+
+    def times(reqs, slo, **cfg):
+        done, steps, sched = run(reqs, slo, max_batched_tokens=2048, **cfg)
+        return (sorted((r.id, r.first_token_time, r.finish_time, r.num_preemptions, r.error) for r in done),
+                len(steps), sched.num_preemptions, sum(bool(r.error) for r in done))
+
+    view, order, seen = mod.Bullet._view, mod.Bullet._order, {"arrays": 0, "orders": 0}
+
+    def checked_view(self, reqs, now):
+        got = view(self, reqs, now)
+        if reqs is self.running and self._arrays is not None:
+            assert got == view(self, list(reqs), now)
+            seen["arrays"] += 1
+        return got
+
+    def checked_order(self, now):
+        k = sum(1 for r in self.waiting if r.id in self.rank)
+        fresh = list(self.waiting)[k:]
+        assert self._by_deadline == sorted((self.deadline[r.id], r.id, r.known, r) for r in fresh)
+        assert self._by_length == sorted((r.known, r.id, self.deadline[r.id], r) for r in fresh)
+        seen["orders"] += bool(fresh)
+        return order(self, now)
+
+    tight = SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.03)
+    cases = ((load, 0, tight, {}), (load, 1, tight, {"num_blocks": 300}),
+             (overload, 2, SloConfig(ttft=0.2, tpot=0.03), {"admission_control": True}))
+    preempted = rejected = 0
+    for make_load, seed, slo, cfg in cases:
+        plain = times(make_load(seed), slo, **cfg)  # (serve changes its requests: each run gets fresh ones)
+        preempted, rejected = preempted + plain[2], rejected + plain[3]
+        with monkeypatch.context() as m:
+            m.setattr(mod, "ARRAYS_FROM", 2)
+            m.setattr(mod, "ARRAYS_UNTIL", 1)
+            m.setattr(mod.Bullet, "_view", checked_view)
+            m.setattr(mod.Bullet, "_order", checked_order)
+            assert times(make_load(seed), slo, **cfg) == plain
+    assert seen["arrays"] > 500 and seen["orders"] > 100 and preempted > 10 and rejected > 5, (seen, preempted,
+                                                                                              rejected)

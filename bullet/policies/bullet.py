@@ -34,10 +34,14 @@ re-split at every launch of either lane:
 
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_left, insort
 from typing import NamedTuple
 
-from ..batch import Batch, Chunk, Lane, Partition
+import numpy as np
+
+from ..batch import Batch, Chunk, Lane, Partition, StepResult
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import batch_work, note_work, step_times
@@ -52,12 +56,107 @@ EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token pref
 DEFAULT_LAYERS_PER_STEP = 8
 KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
 WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
+ARRAYS_FROM = 64  # running requests from which the view reads DecodeArrays (a Python pass is faster below)
+ARRAYS_UNTIL = 16  # ... and at or under which the arrays are dropped (kept up to date only while worth it)
 
 
 class DecodeView(NamedTuple):
     work: Work  # the decoding requests' next step
     budget: float  # the tightest per-step time that keeps every TPOT at an even pace
     loan: float  # the tightest next-step time with slack lent (>= budget; == budget when no loans)
+
+
+class DecodeArrays:
+    """The decode progress of the running requests as numpy arrays, one stable slot per request, kept up to date
+    as requests join (admission), advance (results) and leave (finish, preemption): the view over hundreds of
+    decoding requests is then a few array operations instead of a Python pass. Every quantity is what
+    :meth:`Bullet._view` computes per request, by the same operations in the same order (numpy's elementwise
+    float64 arithmetic rounds as Python's does), so the budgets are equal to the bit."""
+
+    def __init__(self, tpot: float | None, reqs) -> None:
+        self.tpot = tpot
+        self.slot: dict[int, int] = {}  # request id -> slot
+        self.free: list[int] = []  # freed slots (a heap: the lowest is reused first)
+        self.size = 0  # slots ever used: the arrays' live prefix
+        self.dec = np.zeros(64, bool)  # the slot holds a running request with a token out (decoding)
+        self.comp = np.zeros(64, np.int64)  # num_computed
+        self.left = np.zeros(64, np.int64)  # max_new_tokens - num_output
+        self.t1 = np.zeros(64)  # first_token_time (nan: none yet)
+        self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
+        self._kept: tuple | None = None  # the decoding slots' values, gathered once per change
+        for r in reqs:
+            self.join(r)
+
+    def join(self, r: Request) -> None:
+        if self.free:
+            s = heapq.heappop(self.free)
+        else:
+            s, self.size = self.size, self.size + 1
+            if s == len(self.dec):  # grow: double every array
+                for name in ("dec", "comp", "left", "t1", "a0"):
+                    old = getattr(self, name)
+                    setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
+        self.slot[r.id] = s
+        self.sync(r)
+
+    def leave(self, r: Request) -> None:
+        s = self.slot.pop(r.id, None)
+        if s is not None:
+            self.dec[s] = False
+            heapq.heappush(self.free, s)
+            self._kept = None
+
+    def sync(self, r: Request) -> None:
+        """Copy ``r``'s progress into its slot (it joined, or a result changed it)."""
+        s = self.slot.get(r.id)
+        if s is None:
+            return
+        self.dec[s] = r.num_output > 0
+        self.comp[s] = r.num_computed
+        self.left[s] = r.max_new_tokens - r.num_output
+        self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
+        self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
+        self._kept = None
+
+    def slots(self, reqs: list[Request]) -> np.ndarray:
+        """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
+        if len(reqs) == int(np.count_nonzero(self.dec[:self.size])):
+            return np.flatnonzero(self.dec[:self.size])
+        slot = self.slot
+        return np.fromiter((slot[r.id] for r in reqs), np.intp, len(reqs))
+
+    def advance(self, slots: np.ndarray, steps: int) -> None:
+        """The requests in ``slots`` each decoded ``steps`` tokens (a decode launch came back)."""
+        self.comp[slots] += steps
+        self.left[slots] -= steps
+        self._kept = None
+
+    def view(self, now: float, lend: bool, cap: float, pace: float, num_layers: int) -> DecodeView:
+        """:meth:`Bullet._view` over every decoding request."""
+        kept = self._kept
+        if kept is None:
+            dec = self.dec[:self.size]
+            comp, left = self.comp[:self.size][dec], self.left[:self.size][dec]
+            n = len(comp)
+            kv = int(comp.sum()) + n
+            work = Work(num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0)
+            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
+            kept = self._kept = (work, left[timed], self.a0[:self.size][dec][timed], self.t1[:self.size][dec][timed])
+        work, left, a0, t1 = kept
+        if self.tpot is None or not len(left):
+            return DecodeView(work, math.inf, math.inf)
+        a = a0 - (now - t1)
+        on = a > 0
+        if not on.all():
+            a, left = a[on], left[on]
+            if not len(a):
+                return DecodeView(work, math.inf, math.inf)
+        b = a / left
+        best = float(b.min())
+        if not lend:
+            return DecodeView(work, best, best)
+        x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
+        return DecodeView(work, best, float(x.min()))
 
 
 class Bullet(LayerSliced):
@@ -77,7 +176,8 @@ class Bullet(LayerSliced):
         self.deadline: dict[int, float] = {}
         self.target: dict[int, float] = {}
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
-        self.decode_until = 0.0  # predicted end of the decode launch in flight
+        self._decode_end: tuple[Batch, float, Work | None, int] | None = None  # decode in flight: its end's inputs
+        self._decode_until = 0.0  # ... and that end, predicted when first asked (_predicted_decode_end)
         self._slice_work: Work | None = None  # the Work of the prefill slice in flight
         self._job_sums: tuple[tuple[Chunk, ...], Work] | None = None  # (the job's chunks, their whole Work)
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
@@ -89,6 +189,13 @@ class Bullet(LayerSliced):
         self.token_target = self._token_target()
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
         self._late: set[int] = set()  # those of them still held (each is counted once)
+        # the fresh part of the queue (never admitted), kept sorted for _order: by (TTFT deadline, id) and by
+        # (known tokens, id), each entry with the other of the two; neither changes while a request waits
+        self._by_deadline: list[tuple[float, int, int, Request]] = []
+        self._by_length: list[tuple[int, int, float, Request]] = []
+        self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
+        self._arrays: DecodeArrays | None = None  # while many requests run (ARRAYS_FROM)
+        self._decode_slots: tuple[Batch, DecodeArrays, np.ndarray] | None = None  # the decode launch in flight's
 
     # ---- arrivals ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -103,6 +210,9 @@ class Bullet(LayerSliced):
                 raise SchedulingError(f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > "
                                       f"target {1e3 * target:.0f} ms")
         self.target[req.id], self.deadline[req.id] = target, deadline
+        keys = self._queued[req.id] = ((deadline, req.id, req.known, req), (req.known, req.id, deadline, req))
+        insort(self._by_deadline, keys[0])
+        insort(self._by_length, keys[1])
 
     def _predicted_ttft(self, req: Request, deadline: float) -> float:
         """From arrival: the prefill job in flight, then every queued prompt due before ``deadline`` and this
@@ -138,6 +248,8 @@ class Bullet(LayerSliced):
         if d_cur >= self.N:
             return None  # decode holds the whole GPU until the next event; then the split is decided afresh
         if self.job is None:
+            if not self.waiting:
+                return None
             self._order(now)
             chunks, reqs = self._take_whole()
             if not chunks:
@@ -151,7 +263,7 @@ class Bullet(LayerSliced):
         work = self._job_work(layers)
         p = self.N if alone else self._prefill_want(now, work, view)
         if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
-            if self.decode_until - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
+            if self._predicted_decode_end() - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
                 return None
             p = self.N - d_cur
         batch = Batch(self._part("prefill", p), layers, chunks)
@@ -212,10 +324,41 @@ class Bullet(LayerSliced):
         return batch
 
     def _note_decode_end(self, batch: Batch | None, now: float, co: Work | None, co_sms: int) -> None:
-        if batch is not None:
+        """Keep what predicts the end of the decode launch just planned (a prefill slice that wants its SMs
+        asks, rarely: predicted then) and, with the arrays, its requests' slots to advance when it returns."""
+        if batch is None:
+            return
+        self._decode_end = (batch, now, co, co_sms)
+        arrays = self._arrays
+        if arrays is not None:
+            self._decode_slots = (batch, arrays, arrays.slots(self.inflight["decode"][1]))
+
+    def _predicted_decode_end(self) -> float:
+        """When the decode launch in flight (or the last one) is predicted to end."""
+        if self._decode_end is not None:
+            batch, now, co, co_sms = self._decode_end
             times = step_times(self.latency, batch_work(self.latency, batch, self.model.num_layers), batch.steps,
                                batch.partition.num_sms, co, co_sms)
-            self.decode_until = now + float(times.sum())
+            self._decode_until, self._decode_end = now + float(times.sum()), None
+        return self._decode_until
+
+    def on_result(self, res: StepResult) -> list[Request]:
+        arrays = self._arrays
+        if arrays is None:
+            self._decode_slots = None
+            return super().on_result(res)
+        batch, reqs = self.inflight[res.batch.lane]
+        done = super().on_result(res)
+        if batch.layers.stop == self.model.num_layers:
+            pending = self._decode_slots
+            if pending is not None and pending[0] is batch and pending[1] is arrays:
+                arrays.advance(pending[2], batch.steps)
+            else:  # a prefill job's first tokens (or a launch from before the arrays were made)
+                for r in reqs:
+                    arrays.sync(r)
+        if res.batch.lane == "decode":
+            self._decode_slots = None
+        return done
 
     # ---- the decode size -----------------------------------------------------------------------------
     def _decoding(self) -> list[Request]:
@@ -238,6 +381,9 @@ class Bullet(LayerSliced):
         tpot = self.slo.tpot
         lend = tpot is not None and len(self.running) < BORROW_SEATS * self.cfg.max_num_seqs
         cap, pace = (BORROW_CAP * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
+        arrays = self._decode_arrays() if reqs is self.running else None
+        if arrays is not None:
+            return arrays.view(now, lend, cap, pace, self.model.num_layers)
         n = kv = max_kv = 0
         best = loan = math.inf
         for r in reqs:
@@ -268,6 +414,16 @@ class Bullet(LayerSliced):
         if not lend:
             loan = best
         return DecodeView(Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv), best, loan)
+
+    def _decode_arrays(self) -> DecodeArrays | None:
+        """The running requests' :class:`DecodeArrays`, made when ARRAYS_FROM of them run and dropped at
+        ARRAYS_UNTIL (below a few dozen requests a Python pass beats numpy's per-call cost); None between."""
+        n = len(self.running)
+        if self._arrays is None and n >= ARRAYS_FROM:
+            self._arrays = DecodeArrays(self.slo.tpot, self.running)
+        elif self._arrays is not None and n <= ARRAYS_UNTIL:
+            self._arrays = None
+        return self._arrays
 
     def step_budget(self, reqs, now: float) -> float:
         """The tightest per-step time among decoding ``reqs`` that keeps every TPOT (see :meth:`_view`)."""
@@ -324,37 +480,55 @@ class Bullet(LayerSliced):
     def _order(self, now: float) -> None:
         """Order the fresh part of the queue (preempted requests stay in front, in rank order): the requests
         predicted to meet their TTFT by deadline (or shortest first if that still meets every deadline), the
-        rest merged in by deadline + LATE_GRACE targets. With admission control, the rest are rejected."""
-        waiting = self.waiting
+        rest merged in by deadline + LATE_GRACE targets. With admission control, the rest are rejected. The
+        fresh requests come sorted both ways from ``_by_deadline`` and ``_by_length`` (kept as they come and go)."""
+        waiting, rank = self.waiting, self.rank
         k = 0
-        while k < len(waiting) and waiting[k].id in self.rank:
+        while k < len(waiting) and waiting[k].id in rank:
             k += 1
         if len(waiting) - k < 1:
             return
-        fresh = sorted((waiting[i] for i in range(k, len(waiting))), key=lambda r: (self.deadline[r.id], r.id))
+        if len(waiting) - k != len(self._by_deadline):
+            raise SchedulingError(f"{len(waiting) - k} fresh requests queued but {len(self._by_deadline)} in the "
+                                  f"deadline order (a request left the queue without _admit or abort)")
         per_token = self._prefill_per_token()
         t = now  # a job is ordered when the prefill lane is free
         on_time, late = [], []
-        for r in fresh:
-            end = t + r.known * per_token
-            if end <= self.deadline[r.id]:
+        for deadline, _, known, r in self._by_deadline:
+            end = t + known * per_token
+            if end <= deadline:
                 on_time.append(r)
                 t = end
             else:
                 late.append(r)
+        if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
+            skip = {r.id for r in late}
+            t = now
+            for known, i, deadline, _ in self._by_length:
+                if i in skip:
+                    continue
+                t += known * per_token
+                if t > deadline:
+                    break
+            else:
+                on_time = [r for _, i, _, r in self._by_length if i not in skip]
+        if late:
+            on_time = self._late_ones(now, late, on_time, per_token)
+        if k:
+            for _ in range(len(waiting) - k):
+                waiting.pop()
+        else:
+            waiting.clear()
+        waiting.extend(on_time)
+
+    def _late_ones(self, now: float, late: list[Request], on_time: list[Request], per_token: float) -> list[Request]:
+        """Count the requests predicted to miss their TTFT; reject them (admission control) or merge each in
+        before the first on-time request due after its key (its deadline + LATE_GRACE targets). Returns the
+        queue's new fresh part."""
         fresh_late = [r.id for r in late if r.id not in self._late]
         self.num_late += len(fresh_late)
         self._late.update(fresh_late)
-        if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
-            by_len = sorted(on_time, key=lambda r: (r.known, r.id))
-            t = now
-            for r in by_len:
-                t += r.known * per_token
-                if t > self.deadline[r.id]:
-                    break
-            else:
-                on_time = by_len
-        if late and self.cfg.admission_control:
+        if self.cfg.admission_control:
             for r in late:
                 ttft = now - r.arrival + r.known * per_token
                 r.error = (f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > target "
@@ -362,19 +536,16 @@ class Bullet(LayerSliced):
                 r.finish_time = now
                 self.rejected.append(r)
                 self._forget(r.id)
-        elif late:  # each late request goes before the first on-time one due after its key
-            key = {r.id: self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in late}
-            late.sort(key=lambda r: (key[r.id], r.id))
-            merged, i = [], 0
-            for r in on_time:
-                while i < len(late) and key[late[i].id] < self.deadline[r.id]:
-                    merged.append(late[i])
-                    i += 1
-                merged.append(r)
-            on_time = merged + late[i:]
-        for _ in range(len(waiting) - k):
-            waiting.pop()
-        waiting.extend(on_time)
+            return on_time
+        key = {r.id: self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in late}
+        late.sort(key=lambda r: (key[r.id], r.id))
+        merged, i = [], 0
+        for r in on_time:
+            while i < len(late) and key[late[i].id] < self.deadline[r.id]:
+                merged.append(late[i])
+                i += 1
+            merged.append(r)
+        return merged + late[i:]
 
     def _probe(self, tokens: int) -> Work:
         """A prefill of ``tokens`` tokens in 512-token prompts: what prefill speed is judged on."""
@@ -411,11 +582,32 @@ class Bullet(LayerSliced):
         self._forget(req_id)  # (a running request's went with _finish; a queued one's goes here)
         return r
 
+    def _admit(self, req: Request) -> None:
+        self._unqueue(req.id)
+        super()._admit(req)
+        if self._arrays is not None:
+            self._arrays.join(req)
+
+    def preempt(self, req: Request) -> None:
+        super().preempt(req)
+        if self._arrays is not None:
+            self._arrays.leave(req)
+
     def _finish(self, r: Request, now: float) -> None:
         super()._finish(r, now)
         self._forget(r.id)
+        if self._arrays is not None:
+            self._arrays.leave(r)
+
+    def _unqueue(self, req_id: int) -> None:
+        """Take a fresh request out of the sorted queue lists (admitted, aborted or rejected)."""
+        keys = self._queued.pop(req_id, None)
+        if keys is not None:
+            for lst, key in zip((self._by_deadline, self._by_length), keys):
+                del lst[bisect_left(lst, key[:2])]
 
     def _forget(self, req_id: int) -> None:
+        self._unqueue(req_id)
         self.deadline.pop(req_id, None)
         self.target.pop(req_id, None)
         self._late.discard(req_id)
