@@ -403,8 +403,17 @@ def test_simulate_refuses_a_model_of_another_gpu(real_model):
     res = runner.invoke(app, ["simulate", "--num-requests", "5", "--gpu", "h100", "--latency", str(real_model)])
     assert res.exit_code == 2 and "h200" in res.output and "h100" in res.output
     assert "Traceback" not in res.output
-    res = runner.invoke(app, ["simulate", "--num-requests", "5", "--model", "qwen3-8b", "--latency", "fitted"])
-    assert res.exit_code == 2 and "no fitted model for qwen3-8b" in res.output
+    res = runner.invoke(app, ["simulate", "--num-requests", "5", "--model", "qwen2.5-7b", "--latency", "fitted"])
+    assert res.exit_code == 2 and "no fitted model for qwen2.5-7b" in res.output
+
+
+def test_both_shipped_profiles_load_for_their_model():
+    """issue 9's shipped profiles: Llama-3.1-8B and Qwen3-8B on the H200 (Qwen3's q/k norm included)."""
+    for name in ("llama-3.1-8b", "qwen3-8b"):
+        res = runner.invoke(app, ["simulate", "--num-requests", "5", "--model", name, "--json"])
+        assert res.exit_code == 0, res.output
+        summary = json.loads(res.stdout[res.stdout.index("{"):])
+        assert summary["latency_model"] == f"fitted: profiles/h200/{name}/model.json"
 
 
 def test_short_decode_stretches_in_plain_floats_equal_the_numpy_path(real_model):

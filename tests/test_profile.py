@@ -44,6 +44,12 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
     assert meta["model"] == "tiny-llama" and meta["grid"] == "quick" and meta["points"] == len(ids)
     for key in ("date", "torch", "bullet", "commit", "gpu", "finished", "model_spec"):
         assert key in meta
+    # every shape a fitted model is checked against, the q/k norm and qkv bias flags included (a Qwen3 profile
+    # without them was fitted as a model without a q/k norm and refused for qwen3-8b)
+    tiny = MODELS["tiny-llama"]
+    assert meta["model_spec"] == {k: getattr(tiny, k) for k in ("num_layers", "hidden_size", "num_heads",
+                                  "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "dtype_bytes",
+                                  "tp", "qkv_bias", "qk_norm")}
     assert meta["prefill_graphs"] == {"max_tokens": 512, "max_seqs": 64, "buckets": [16, 32, 64, 128, 256, 512]}
     # an interrupted write leaves a torn last line: it is dropped and that point measured again
     text = (out / "points.csv").read_text().splitlines(keepends=True)

@@ -457,8 +457,10 @@ def metadata(executor, spec: ModelSpec, weights: str, quick: bool, reps: int, po
 
 
 def _spec_dict(spec: ModelSpec) -> dict:
-    return {k: getattr(spec, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                                          "intermediate_size", "vocab_size", "dtype_bytes", "tp")}
+    """Every shape a fitted model is checked against (qkv_bias and qk_norm too: Qwen3 has a q/k norm)."""
+    from ..perfmodel.fitted import SHAPE_KEYS
+
+    return {k: getattr(spec, k) for k in SHAPE_KEYS}
 
 
 def _nvidia_smi() -> dict:
