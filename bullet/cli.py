@@ -500,9 +500,10 @@ def profile(
                                                     "existing one is resumed: points already measured are "
                                                     "skipped.")] = None,
     quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (every other partition size, fewer "
-                                                               "lengths, 24 random launches, 8 random co-runs: "
-                                                               "360 points; 273 of them took 210 s on an H200) "
-                                                               "or the full grid (1428 points).")]
+                                                               "lengths, 24 random launches, 16 random chunked "
+                                                               "steps, 8 random co-runs: 376 points; 352 took "
+                                                               "about 4 min on an H200) or the full grid "
+                                                               "(1476 points).")]
     = True,
     reps: Annotated[int, typer.Option(min=1, help="Timed runs per point (after one warm-up run); the median "
                                                   "is kept.")] = 3,

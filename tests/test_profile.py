@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from bullet.cli import _gpu_short_name, app
 from bullet.config import GPUS, MODELS
-from bullet.gpu.profile import COLUMNS, grid, read_points
+from bullet.gpu.profile import COLUMNS, grid, read_points, sampled_mixed
 
 
 def run(out):
@@ -97,3 +97,9 @@ def test_every_gpu_grid_point_is_a_legal_launch(quick):
             assert all(c + shape.steps <= spec.max_position for c in shape.decode), p.id
             assert shape.layers is None or 1 <= shape.layers <= spec.num_layers, p.id
     assert sum(p.co is not None for p in pts) >= (32 if quick else 100)
+    # chunked steps at a 2,048-token budget: decode rows plus prompt chunks fill the budget exactly
+    mixed = sampled_mixed(gpu.num_sms, 16, 800_000)
+    assert all(m.id in {p.id for p in pts} for m in mixed)
+    for m in mixed:
+        assert len(m.shape.decode) + sum(n for n, _ in m.shape.prefill) == 2048, m.id
+        assert 2 <= len(m.shape.decode) <= 80 and all(256 <= c <= 4096 for c in m.shape.decode), m.id
