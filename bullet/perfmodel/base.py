@@ -6,6 +6,7 @@ later) can be swapped without either noticing.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from math import sqrt
 from operator import add
 from typing import NamedTuple, Protocol
@@ -171,7 +172,22 @@ class CachedLatency:
         key = (first, num_sms, co, co_sms)
         if key != self._ekey or steps > len(self._ends):
             if first.tokens != first.seqs:
-                ends = step_times(self, first, steps, num_sms, co, co_sms).cumsum()
+                if self._step_ends is None or steps < 2:
+                    ends = step_times(self, first, steps, num_sms, co, co_sms).cumsum()
+                else:  # step_times' numbers: the first step, then the model's decode stretch of the rest
+                    t0 = self.predict(first, num_sms, co, co_sms)
+                    n = first.seqs
+                    kv = first.kv_read + n
+                    tail = Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
+                    times, _ = self._step_ends(tail, steps - 1, num_sms, co, co_sms)
+                    self._key, self._steps = (tail, num_sms, co, co_sms), times
+                    if type(times) is list:  # a short stretch in plain floats: summed in order, as cumsum does
+                        ends = np.fromiter(accumulate(times, initial=t0), np.float64, steps)
+                    else:
+                        out = np.empty(steps)
+                        out[0] = t0
+                        out[1:] = times
+                        ends = out.cumsum()
             elif self._step_ends is not None:  # a decode launch: the model sums its steps (and keeps them)
                 self._key, (self._steps, ends) = key, self._step_ends(first, steps, num_sms, co, co_sms)
             else:

@@ -64,7 +64,6 @@ import numpy as np
 
 from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, shared_sms
-from .roofline import SHORT_STRETCH
 
 FORMAT = "bullet-fitted-latency"
 FORMAT_VERSION = 1
@@ -84,6 +83,9 @@ DEFAULT_KERNELS = {
 
 FAMILIES = ("decode_step", "decode_first", "eager", "host", "co_eager", "co_decode")
 EAGER_HOSTED = True  # default of FittedModel(host=...)
+# decode_step_ends: stretches up to this many steps in plain floats (about 0.2 us a step against numpy's
+# ~13 us a call; beyond it numpy is the cheaper)
+FLOAT_STRETCH = 64
 
 # quantities each family may use (computed by Quantities below)
 DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "rows", "gemm_waves", "layers", "launch")
@@ -129,6 +131,7 @@ class Quantities:
         self.col_tiles = [float(-(-a // tn)) for a, _ in self.gemms]
         self.wave_flops = [2.0 * tm * tn * b for _, b in self.gemms]  # one tile, one SM
         self.buckets = tuple(kernels["graph_buckets"])
+        self.per_block = kernels["attn_block_n"]
 
     # ---------------------------------------------------------------- helpers
     def bucket(self, seqs: int) -> int:
@@ -351,6 +354,9 @@ class FittedModel:
         self._demand: dict[tuple, Any] = {}
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
+        self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs) -> slowdown (scalar path)
+        self._host: dict[Work, float] = {}  # host seconds of an eager launch
+        self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -442,32 +448,64 @@ class FittedModel:
     def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
                          co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
         """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short stretch (up to
-        ``SHORT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
+        ``FLOAT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
         :meth:`decode_steps` does it and summed in order as ``cumsum`` does (numpy's per-call cost is the
         larger there); the times come as a list then."""
-        if steps > SHORT_STRETCH or steps < 1 or type(num_sms) is not int:
+        if steps > FLOAT_STRETCH or steps < 1 or type(num_sms) is not int:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
+        L, seqs, kv0 = work.num_layers, work.seqs, work.kv_read
+        key = (L, work.tokens, seqs, num_sms, co, co_sms, type(co_sms))
+        setup = self._dsetup.get(key)
+        if setup is None:
+            setup = self._decode_setup(work, num_sms, co, co_sms, key)
+        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f = setup
+        q = self.q
+        kvb, per_block = q.kv_bytes, q.per_block
+        L = float(L)
+        mk = float(work.max_kv or (kv0 / max(1, seqs)))
+        # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
+        t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
+            L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
+        times = [t if f is None else t * f]
+        # the later steps: the longest program's blocks, ceil(ceil((mk + i) / splits) / block_n), are a
+        # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
+        # found by bisection on that very expression and its term is one number across the run
+        i, fs = 1, float(seqs)  # i * 1.0 * seqs == i * fs: one rounding of the same exact operands
+        while i < steps:
+            m = math.ceil(math.ceil((mk + i) / splits) / per_block)
+            j = steps
+            if math.ceil(math.ceil((mk + (steps - 1)) / splits) / per_block) != m:
+                lo, j = i, steps - 1  # blocks(lo) == m != blocks(j)
+                while j - lo > 1:
+                    mid = (lo + j) // 2
+                    if math.ceil(math.ceil((mk + mid) / splits) / per_block) == m:
+                        lo = mid
+                    else:
+                        j = mid
+            b = L * float(m * per_block) * 1e-3 * w_longest
+            if f is None:
+                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
+            else:
+                times += [(c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b) * f for k in range(i, j)]
+            i = j
+        return times, np.fromiter(accumulate(times), np.float64, steps)
+
+    def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
+        """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
+        under ``key``: both families' (const, w_kv, w_longest, splits) and the co-runner's slowdown factor
+        (None: none)."""
         n, _ = check_sms(num_sms, self.num_sms)
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None and co_sms:
             n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
-        times = [self._decode_step("decode_first", work, n)]
-        if steps > 1:
-            q = self.q
-            mk = float(work.max_kv or (work.kv_read / max(1, work.seqs)))
-            const, w_kv, w_longest, splits = self._decode_parts("decode_step", work, n)
-            L, kvb, per_block, kv0, seqs = float(work.num_layers), q.kv_bytes, q.k["attn_block_n"], work.kv_read, \
-                work.seqs
-            for i in range(1, steps):
-                kv = L * (kv0 + i * 1.0 * seqs) * kvb * 1e-9
-                longest = L * float(math.ceil(math.ceil((mk + i) / splits) / per_block) * per_block) * 1e-3
-                times.append(const + kv * w_kv + longest * w_longest)
-        if co is not None and co_sms:
-            f = 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
-            times = [t * f for t in times]
-        return times, np.fromiter(accumulate(times), np.float64, steps)
+        f = 1.0 + self._slowdown("co_decode", n, co, co_sms, False) if co is not None and co_sms else None
+        if len(self._dsetup) >= 65536:
+            self._dsetup.clear()
+        out = self._dsetup[key] = (*self._decode_parts("decode_first", work, n),
+                                   *self._decode_parts("decode_step", work, n), f)
+        return out
 
     # ---------------------------------------------------------------- parts
     def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float]:
@@ -497,9 +535,12 @@ class FittedModel:
     def host_time(self, work: Work) -> float:
         """Host seconds of an eager launch (``GpuExecutor.launch``); 0 for one a prefill graph serves (its
         replay returns to the host long before the GPU is done)."""
-        if self.graphed(work):
-            return 0.0
-        return self.f["host"].scalar(self.q.host(work), 0)
+        h = self._host.get(work)
+        if h is None:  # memoised: a policy's searches over SM counts ask for the same launch again and again
+            if len(self._host) >= 65536:
+                self._host.clear()
+            h = self._host[work] = 0.0 if self.graphed(work) else self.f["host"].scalar(self.q.host(work), 0)
+        return h
 
     def gpu_time(self, work: Work, n: int) -> float:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
@@ -540,8 +581,12 @@ class FittedModel:
         return self.f["eager"].array(self.q.eager(self.padded(co), csm, self.graphed(co)), csm)
 
     def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool):
-        qv = self.co_features(n, co, co_sms, arr)
-        fam = self.f[family]
         if arr:
-            return fam.array(qv, np.zeros(np.shape(n), dtype=np.intp))
-        return fam.scalar(qv, 0)
+            return self.f[family].array(self.co_features(n, co, co_sms, arr), np.zeros(np.shape(n), dtype=np.intp))
+        key = (family, n, co, co_sms, type(co_sms))  # the type too: an int and a numpy int give other types
+        s = self._slow.get(key)
+        if s is None:  # memoised: the same co-runner is asked about step after step
+            if len(self._slow) >= 65536:
+                self._slow.clear()
+            s = self._slow[key] = self.f[family].scalar(self.co_features(n, co, co_sms, arr), 0)
+        return s

@@ -1,0 +1,96 @@
+"""The latency models' fast paths (plain floats, memoised setups) give the slow paths' numbers to the bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bullet.config import resolve_gpu, resolve_model
+from bullet.perfmodel.base import CachedLatency, Work, step_times
+from bullet.perfmodel.fitted import FLOAT_STRETCH
+from simulator.run import latency_model
+
+SPEC, GPU = resolve_model("llama-3.1-8b"), resolve_gpu("h200")
+N = GPU.num_sms
+
+
+def models():
+    return {"fitted": latency_model("fitted", SPEC, GPU), "roofline": latency_model("roofline", SPEC, GPU)}
+
+
+def random_decode(rng) -> Work:
+    b = int(rng.choice([1, 2, 3, 8, 30, 64, 100, 128, 200, 256, 300]))
+    ctx = rng.integers(1, 9000, b)
+    if rng.random() < 0.3:  # near a block boundary of the longest attention program
+        ctx[0] = 64 * int(rng.integers(1, 100)) - int(rng.integers(0, 3))
+    max_kv = 0 if rng.random() < 0.1 else int(ctx.max())
+    return Work(int(rng.choice([8, 16, 32])), b, b, float(ctx.sum()), int(ctx.sum()), b, True, max_kv)
+
+
+def random_co(rng, n):
+    """(co-runner, its SMs), or (None, 0); disjoint or overlapping, the SM count an int or a numpy int."""
+    if rng.random() < 0.4:
+        return None, 0
+    t = int(rng.integers(1, 8000))
+    co = Work(8, t, 1, t * (t + 1) / 2, t, 1, True, t) if rng.random() < 0.7 else \
+        Work(32, 16, 16, 16 * 900.0, 16 * 900, 16, True, 900)
+    cs = int(rng.integers(1, N + 1)) if rng.random() < 0.3 else max(1, N - n)
+    return co, (np.int64(cs) if rng.random() < 0.2 else cs)
+
+
+def test_fitted_decode_step_ends_equal_decode_steps_to_the_bit():
+    fm = models()["fitted"]
+    rng = np.random.default_rng(13)
+    for _ in range(1500):
+        w = random_decode(rng)
+        n = int(rng.integers(1, N + 1))
+        steps = int(rng.integers(1, FLOAT_STRETCH + 8))
+        co, cs = random_co(rng, n)
+        for _ in range(2):  # the second time from the memoised setup
+            times, ends = fm.decode_step_ends(w, steps, n, co, cs)
+            ref = fm.decode_steps(w, steps, n, co, cs)
+            assert np.array_equal(np.asarray(times), ref), (w, steps, n, co, cs)
+            assert np.array_equal(ends, ref.cumsum())
+
+
+@pytest.mark.parametrize("name", ["fitted", "roofline"])
+def test_cached_step_ends_equal_the_cumsum_of_step_times(name):
+    """CachedLatency.step_ends (the mixed first step's decode tail from the model's plain-float stretch) is
+    np.cumsum(step_times(model, ...)), for prefill, mixed and decode first steps."""
+    model = models()[name]
+    cached = CachedLatency(model)
+    rng = np.random.default_rng(5)
+    for _ in range(800):
+        if rng.random() < 0.5:
+            first = random_decode(rng)
+        else:  # a prompt chunk (fresh or over a prefix) beside a few decode rows
+            p, pre = int(rng.integers(1, 2048)), int(rng.integers(0, 3000))
+            d = rng.integers(1, 4000, int(rng.integers(0, 40)))
+            kv = pre + p + int(d.sum()) + len(d)
+            pairs = float(p * pre + p * (p + 1) / 2 + (d + 1).sum())
+            first = Work(32, p + len(d), 1 + len(d), pairs, kv, 1 + len(d), True,
+                         max(pre + p, int(d.max()) + 1 if len(d) else 0))
+        n = int(rng.integers(1, N + 1))
+        co, cs = random_co(rng, n)
+        for steps in (int(rng.integers(1, 90)), int(rng.integers(1, 8))):
+            ref = np.cumsum(step_times(model, first, steps, n, co, cs))
+            assert np.array_equal(cached.step_ends(first, steps, n, co, cs), ref), (first, steps, n, co, cs)
+            assert np.array_equal(cached.decode_steps(first, steps, n, co, cs) if first.tokens == first.seqs
+                                  else step_times(cached, first, steps, n, co, cs), step_times(model, first, steps,
+                                                                                               n, co, cs))
+
+
+def test_fitted_memoised_predict_equals_a_fresh_model():
+    """predict's memos (host time, co-runner slowdown) change no number, nor its type."""
+    warm, rng = models()["fitted"], np.random.default_rng(3)
+    cases = []
+    for _ in range(400):
+        p = int(rng.integers(1, 4096))
+        w = Work(32, p, 1, p * (p + 1) / 2, p, 1, True, p) if rng.random() < 0.6 else random_decode(rng)
+        n = int(rng.integers(1, N + 1))
+        cases.append((w, n, *random_co(rng, n)))
+    first = [warm.predict(*c) for c in cases]
+    again = [warm.predict(*c) for c in cases]
+    fresh = [latency_model("fitted", SPEC, GPU).predict(*c) for c in cases[:40]]
+    assert [repr(x) for x in first] == [repr(x) for x in again]
+    assert [repr(x) for x in first[:40]] == [repr(x) for x in fresh]
