@@ -96,13 +96,18 @@ def step_times(latency: LatencyModel, first: Work, steps: int, num_sms: int, co:
     t0 = latency.predict(first, num_sms, co, co_sms)
     if steps == 1:
         return np.array([t0])
-    n = first.seqs
-    kv = first.kv_read + n
-    tail = Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
     out = np.empty(steps)
     out[0] = t0
-    out[1:] = latency.decode_steps(tail, steps - 1, num_sms, co, co_sms)
+    out[1:] = latency.decode_steps(decode_tail(first), steps - 1, num_sms, co, co_sms)
     return out
+
+
+def decode_tail(first: Work) -> Work:
+    """The first of the decode steps that follow ``first`` in a fused launch: every sequence of it, each with
+    the token it sampled."""
+    n = first.seqs
+    kv = first.kv_read + n
+    return Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
 
 
 def batch_work(latency: LatencyModel, batch: Batch, total_layers: int) -> Work:
@@ -176,18 +181,12 @@ class CachedLatency:
                     ends = step_times(self, first, steps, num_sms, co, co_sms).cumsum()
                 else:  # step_times' numbers: the first step, then the model's decode stretch of the rest
                     t0 = self.predict(first, num_sms, co, co_sms)
-                    n = first.seqs
-                    kv = first.kv_read + n
-                    tail = Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
+                    tail = decode_tail(first)
                     times, _ = self._step_ends(tail, steps - 1, num_sms, co, co_sms)
                     self._key, self._steps = (tail, num_sms, co, co_sms), times
-                    if type(times) is list:  # a short stretch in plain floats: summed in order, as cumsum does
-                        ends = np.fromiter(accumulate(times, initial=t0), np.float64, steps)
-                    else:
-                        out = np.empty(steps)
-                        out[0] = t0
-                        out[1:] = times
-                        ends = out.cumsum()
+                    # summed in order from t0, as cumsum does (a short stretch comes as a list of floats)
+                    ends = np.fromiter(accumulate(times, initial=t0), np.float64, steps) \
+                        if type(times) is list else np.concatenate(([t0], times)).cumsum()
             elif self._step_ends is not None:  # a decode launch: the model sums its steps (and keeps them)
                 self._key, (self._steps, ends) = key, self._step_ends(first, steps, num_sms, co, co_sms)
             else:
