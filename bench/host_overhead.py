@@ -60,6 +60,7 @@ def one(ex, kv, batch: Batch, profile: bool = False):
     if prof:
         prof.enable()
     ex.launch(batch)
+    ex.flush()  # the whole launch enqueued (launch() itself enqueues its first layer)
     if prof:
         prof.disable()
     host = time.perf_counter() - t

@@ -56,6 +56,7 @@ def main() -> None:
                 batch = Batch(part, range(spec.num_layers), tuple(chunks))
                 t = time.perf_counter()
                 ex.launch(batch)
+                ex.flush()  # the whole launch enqueued
                 host = time.perf_counter() - t
                 (res,) = ex.wait(None)
                 pred = model.predict(work_of(batch, spec.num_layers), gpu.num_sms)

@@ -346,18 +346,20 @@ def test_gpu_prefix_cache_hits_match_reference(weights, gpu_menu):
 
 
 @pytest.mark.gpu
-def test_gpu_corun_equals_alone(gpu_menu):
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_gpu_corun_equals_alone(gpu_menu, first):
     """A layer-sliced prefill on one partition next to fused decode steps on the other gives exactly the
-    tokens each gives alone on the same partitions."""
+    tokens each gives alone on the same partitions. With the (eager) prefill launched first, the decode
+    launch is enqueued while the prefill's launch is still being enqueued a layer at a time."""
     spec = dataclasses.replace(MODELS["llama-3.1-8b"], num_layers=4)
     ex = GpuExecutor(spec, "dummy", "cuda", block_size=16, num_blocks=4096, seed=0, menu=gpu_menu)
     try:
-        _corun(ex, spec)
+        _corun(ex, spec, first)
     finally:
         ex.close()  # before the menu's streams go: its pinned buffers were used on them
 
 
-def _corun(ex, spec):
+def _corun(ex, spec, first="decode"):
     rng = np.random.default_rng(0)
     dec_prompt = [tuple(int(x) for x in rng.integers(0, spec.vocab_size, 300)) for _ in range(16)]
     pre_prompt = tuple(int(x) for x in rng.integers(0, spec.vocab_size, 3000))
@@ -389,8 +391,13 @@ def _corun(ex, spec):
     t1, dec_b, pre_b = setup(1000)
     assert np.array_equal(t0, t1)
     slices = prefill(pre_b)
-    ex.launch(dec_b)
-    ex.launch(slices.pop(0))
+    if first == "decode":
+        ex.launch(dec_b)
+        ex.launch(slices.pop(0))
+    else:
+        ex.launch(slices.pop(0))
+        assert ex._inflight["prefill"].work is not None  # the eager slice is still being enqueued
+        ex.launch(dec_b)
     results = {}
     overlapped = False
     while ex.busy("prefill") or ex.busy("decode"):

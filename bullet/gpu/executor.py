@@ -59,7 +59,7 @@ from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
 from .kernels.gemv import GEMV_DEFAULT
 from .kvcache import PagedKvCache
-from .model import Model
+from .model import Model, finish
 from .partitions import PartitionMenu, Side
 from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs
 from .sampling import sample
@@ -103,6 +103,8 @@ class _Flight:
     host: torch.Tensor | None = None  # pinned (steps, len(cols)) sampled ids
     times: tuple[float, float, list[float]] | None = None  # CPU path: host start, end, step ends
     tokens: np.ndarray | None = None  # CPU path
+    work: object = None  # CUDA: the launch's generator while part of it is still to be enqueued
+    side: Side | None = None
 
 
 @dataclass(slots=True)
@@ -202,15 +204,21 @@ class GpuExecutor:
         if not self.cuda:
             self._inflight[lane] = self._run_cpu(batch)
             return
-        side = self._side(batch)
-        with torch.cuda.stream(side.stream), self.model.on_sms(side.num_sms):
-            self._inflight[lane] = self._run_cuda(batch, side)
+        self._inflight[lane] = f = self._run_cuda(batch, self._side(batch))
+        self._advance(f)
 
     def wait(self, until: float | None = None) -> list[StepResult]:
         while True:
-            done = [f for f in self._inflight.values() if f.times is not None or f.done_ev.query()]
+            done = [f for f in self._inflight.values()
+                    if f.times is not None or (f.work is None and f.done_ev.query())]
             if done:
                 return [self._finish(f) for f in self._by_end(done)]
+            pending = [f for f in self._inflight.values() if f.work is not None]
+            if pending:  # enqueue a layer of an eager launch, then look at the lanes again
+                self._advance(min(pending, key=lambda f: f.order))
+                if until is not None and self.now() >= until:
+                    return []
+                continue
             if not self._inflight:
                 if until is not None:
                     left = until - self.now()
@@ -468,7 +476,7 @@ class GpuExecutor:
             hidden = self._prefill_graph(lane, side, chunks, (), x, layers)
             if hidden is None:
                 meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q)
-                hidden = self.model.forward(x, layers, meta, self.kv)
+                hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)
             ev = None
             if self.cuda:
                 ev = torch.cuda.Event()
@@ -483,11 +491,11 @@ class GpuExecutor:
         if samp:
             slots = self._to_device(np.array([self._state(c.req_id).slot for c in samp], np.int64))
         if layers.start == 0 and self._graph_ok(lane, chunks, samp, steps):  # (a slice's x is hidden state)
-            toks = self._graph_steps(lane, side, chunks, x, steps, record)
+            toks = yield from self._graph_steps(lane, side, chunks, x, steps, record)
         else:
             first = self._prefill_graph(lane, side, chunks, samp, x, layers)
             if first is None:
-                toks = self._eager_steps(chunks, sampling, x, layers, 1, record)
+                toks = yield from self._eager_steps(chunks, sampling, x, layers, 1, record)
             else:
                 toks = first[None, :].clone() if samp else None
                 record()
@@ -495,9 +503,9 @@ class GpuExecutor:
                 dec = [Chunk(c.req_id, c.start + c.num_tokens, 1, c.block_ids, True, None, c.sampling)
                        for c in samp]
                 if self._graph_ok(lane, dec, dec, steps - 1):
-                    rest = self._graph_steps(lane, side, dec, toks[0], steps - 1, record)
+                    rest = yield from self._graph_steps(lane, side, dec, toks[0], steps - 1, record)
                 else:
-                    rest = self._eager_steps(dec, range(len(dec)), toks[0], range(L), steps - 1, record)
+                    rest = yield from self._eager_steps(dec, range(len(dec)), toks[0], range(L), steps - 1, record)
                 toks = torch.cat([toks, rest])
         if samp:
             self._last.index_copy_(0, slots, toks[-1])
@@ -527,6 +535,8 @@ class GpuExecutor:
             graph.replay()
             toks[k].copy_(lg.out[:n])
             record()
+            if k + 1 < steps:
+                yield
         return toks
 
     def _decode_tables(self, chunks: Sequence[Chunk], steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -568,7 +578,7 @@ class GpuExecutor:
         for k in range(steps):
             cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]  # k > 0: decode only
             meta = build_meta(cur, self.block_size, self.device, block_q=self.model.block_q)
-            hidden = self.model.forward(x, layers, meta, self.kv)  # steps > 1: layers are all layers
+            hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)  # steps > 1: all layers
             if samp:
                 logits = self.model.logits(hidden, meta.sample_rows)
                 if greedy:
@@ -582,7 +592,16 @@ class GpuExecutor:
 
     # ------------------------------------------------------------------ CUDA and CPU launches
     def _run_cuda(self, batch: Batch, side: Side) -> _Flight:
+        """The launch as a flight whose work (a generator) ``_advance`` enqueues piece by piece: a layer of
+        an eager forward, or one replay of a decode graph. Between pieces ``wait`` looks at the lanes, so a
+        long eager launch (~12 ms of host time for a few thousand tokens) no longer keeps the other lane's
+        next launch waiting until all of it is enqueued."""
         f = self._new_flight(batch)
+        f.side = side
+        f.work = self._cuda_work(f, batch, side)
+        return f
+
+    def _cuda_work(self, f: _Flight, batch: Batch, side: Side):
         f.start_ev = torch.cuda.Event(enable_timing=True)
         f.start_ev.record()
 
@@ -591,20 +610,33 @@ class GpuExecutor:
             ev.record()
             f.step_evs.append(ev)
 
-        toks, cols = self._forward_steps(batch, side, record)
+        toks, cols = yield from self._forward_steps(batch, side, record)
         self._set_cols(f, batch, cols)
         if toks is not None and toks.numel():
             f.host = torch.empty(toks.shape, dtype=torch.int64, pin_memory=True)
             f.host.copy_(toks, non_blocking=True)
         f.done_ev = torch.cuda.Event()
         f.done_ev.record()
-        return f
+
+    def _advance(self, f: _Flight) -> None:
+        """Enqueue the next piece of ``f``'s launch on its partition's stream."""
+        with torch.cuda.stream(f.side.stream), self.model.on_sms(f.side.num_sms):
+            try:
+                next(f.work)
+            except StopIteration:
+                f.work = None
+
+    def flush(self) -> None:
+        """Enqueue every launch in flight to its end now (the profiler times a launch's whole host part)."""
+        for f in list(self._inflight.values()):
+            while f.work is not None:
+                self._advance(f)
 
     def _run_cpu(self, batch: Batch) -> _Flight:
         f = self._new_flight(batch)
         start = self.now()
         ends: list[float] = []
-        toks, cols = self._forward_steps(batch, None, lambda: ends.append(self.now()))
+        toks, cols = finish(self._forward_steps(batch, None, lambda: ends.append(self.now())))
         self._set_cols(f, batch, cols)
         f.times = (start, ends[-1], ends)
         f.tokens = None if toks is None else toks.numpy().copy()

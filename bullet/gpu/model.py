@@ -49,6 +49,15 @@ def rope_cache(spec: ModelSpec, device: torch.device | str, max_position: int | 
     return torch.cat([angles.cos(), angles.sin()], dim=1).to(device=device, dtype=torch.float32)
 
 
+def finish(gen):
+    """Run a generator to its end; its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
 @dataclass(slots=True)
 class _Layer:
     ln1: torch.Tensor
@@ -122,6 +131,12 @@ class Model:
         """``x``: token ids ``[T]`` when ``layers.start == 0``, else the hidden state ``[T, hidden]`` the
         previous slice returned. Returns the hidden state after the slice, final norm applied where
         ``layers.stop == num_layers``. Writes the new tokens' k/v into ``kv`` at ``meta.slot_mapping``."""
+        return finish(self.forward_iter(x, layers, meta, kv))
+
+    def forward_iter(self, x: torch.Tensor, layers: range, meta: AttnMeta, kv: PagedKvCache):
+        """``forward`` as a generator that yields after enqueueing each layer (of a multi-token forward) and
+        returns the hidden state: the executor enqueues a long eager launch a layer at a time, so that it can
+        serve the other lane between layers instead of after the whole launch's host time."""
         spec = self.spec
         if not 0 <= layers.start <= layers.stop <= spec.num_layers or layers.step != 1:
             raise ValueError(f"Model.forward: layers {layers} is not a slice of 0..{spec.num_layers}")
@@ -134,6 +149,7 @@ class Model:
             layer = self.layers[i]
             residual = self._attention(i, layer, rms_norm(residual, layer.ln1, eps), meta, kv, residual)
             residual = self._mlp(layer, rms_norm(residual, layer.ln2, eps), residual)
+            yield
         if layers.stop == spec.num_layers:
             return rms_norm(residual, self.norm, eps)
         return residual

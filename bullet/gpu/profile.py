@@ -168,14 +168,21 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pts.append(Point(dec, "decode", d, pre, p))
     if not cpu:
         pts += sampled_coruns(spec, menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms, 8 if quick else 24, kv_tokens)
+        # long-prompt workloads (azure-code): a few decode rows of long contexts beside the prompt; the
+        # co-run families were 5 % short on them in `bullet validate` (static-split, bench/RESULTS.md)
+        pts += sampled_coruns(spec, menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms, 12 if quick else 24,
+                              kv_tokens, seed=3, batches=(1, 2, 4, 8, 16), contexts=(1024, 2048, 4096, 8192))
+        pts += sampled_mixed(num_sms, 16 if quick else 32, kv_tokens, seed=4)  # more of chunked's steps
     return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
 
 
 def sampled_coruns(spec: ModelSpec, pre_sizes: Sequence[int], dec_sizes: Sequence[int], num_sms: int, pairs: int,
-                   kv_tokens: int | None, seed: int = 1) -> list[Point]:
+                   kv_tokens: int | None, seed: int = 1, batches: Sequence[int] = (16, 32, 64, 128, 192),
+                   contexts: Sequence[int] = (512, 1024, 2048, 4096)) -> list[Point]:
     """Seeded random co-runs of the kind a split policy makes, ``pairs`` of them, each measured from both
-    sides: a decode batch of mixed contexts on a random decode size of the menu, next to one prompt (whole or
-    a layer slice) on the largest prefill size that fits beside it. The grid's co-runs cover two splits."""
+    sides: a decode batch of ``batches`` rows of mixed ``contexts`` on a random decode size of the menu, next
+    to one prompt (whole or a layer slice) on the largest prefill size that fits beside it. The grid's
+    co-runs cover two splits."""
     rng = np.random.default_rng(seed)
     L, pts = spec.num_layers, []
     while len(pts) < 2 * pairs:
@@ -186,8 +193,8 @@ def sampled_coruns(spec: ModelSpec, pre_sizes: Sequence[int], dec_sizes: Sequenc
         p = max(fits)
         new = int(rng.choice((512, 1024, 2048, 4096, 8192)))
         pre = Shape(((new, 0),), layers=[None, L // 4, L // 2][int(rng.integers(3))])
-        bs = int(rng.choice((16, 32, 64, 128, 192)))
-        ctx = tuple(sorted((int(c) for c in rng.choice((512, 1024, 2048, 4096), bs)), reverse=True))
+        bs = int(rng.choice(batches))
+        ctx = tuple(sorted((int(c) for c in rng.choice(contexts, bs)), reverse=True))
         if sum(ctx) + 600 * bs + new > 0.5 * (kv_tokens or 10**9):
             continue
         dec = Shape(decode=ctx, steps=8)
@@ -291,6 +298,7 @@ class Profiler:
     def _launch(self, batch: Batch) -> float:
         t = time.perf_counter()
         self.ex.launch(batch)
+        self.ex.flush()  # host time = the whole launch enqueued, as before the executor did it in pieces
         return time.perf_counter() - t
 
     def _drain(self) -> list[StepResult]:
@@ -340,9 +348,12 @@ class Profiler:
             phost = self._launch(pbatch)
             res = {r.batch.lane: r for r in self._drain()}
             self._release(dchunks + pchunks)
-            if not rep:
-                continue
             d, p = res["decode"], res["prefill"]
+            if not rep:
+                if (pre_t is None or step_t is None) and self.ex.cuda:  # no solo times to size it by: outlast the warm-up's prefill
+                    step = float(np.median(np.diff(np.concatenate(([d.start], d.step_ends)))))
+                    steps = int(min(512, max(steps, np.ceil(1.6 * (p.end - p.start) / step) + 2)))
+                continue
             ends = np.asarray(d.step_ends)
             starts = np.concatenate(([d.start], ends[:-1]))
             share = (np.minimum(ends, p.end) - np.maximum(starts, p.start)) / np.maximum(ends - starts, 1e-12)
