@@ -357,6 +357,7 @@ class FittedModel:
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs) -> slowdown (scalar path)
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
+        self._share: dict[tuple, tuple[int, int]] = {}  # shared_sms by (SMs, co-runner's SMs, their tokens)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -401,7 +402,7 @@ class FittedModel:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         n, arr = check_sms(num_sms, self.num_sms)
         if co is not None and not arr and co_sms:
-            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
+            n, co_sms = self._shared_sms(n, int(co_sms), work, co)
         if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
             if arr:
                 t = self.f["decode_first"].array(self.q.decode(work, n), n)
@@ -430,7 +431,7 @@ class FittedModel:
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None and co_sms:
-            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
+            n, co_sms = self._shared_sms(n, int(co_sms), work, co)
         out = np.empty(steps)
         if steps < 1:
             return out
@@ -499,7 +500,7 @@ class FittedModel:
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
         if co is not None and co_sms:
-            n, co_sms = shared_sms(n, int(co_sms), work, co, self.num_sms)
+            n, co_sms = self._shared_sms(n, int(co_sms), work, co)
         f = 1.0 + self._slowdown("co_decode", n, co, co_sms, False) if co is not None and co_sms else None
         if len(self._dsetup) >= 65536:
             self._dsetup.clear()
@@ -508,6 +509,16 @@ class FittedModel:
         return out
 
     # ---------------------------------------------------------------- parts
+    def _shared_sms(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
+        """:func:`~bullet.perfmodel.base.shared_sms`, memoised: it depends on the launches' token counts alone."""
+        key = (n, co_sms, work.tokens, co.tokens)
+        out = self._share.get(key)
+        if out is None:
+            if len(self._share) >= 65536:
+                self._share.clear()
+            out = self._share[key] = shared_sms(n, co_sms, work, co, self.num_sms)
+        return out
+
     def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float]:
         """(const, w_kv, w_longest, splits), memoised: decode launches repeat (layers, batch, SMs)."""
         key = (family, work.num_layers, work.seqs, n)
