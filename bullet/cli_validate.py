@@ -34,6 +34,11 @@ def validate(
     rate: Annotated[str | None, typer.Option(help="Request rate (req/s); default: the trace's timing. "
                                                   "Several, comma-separated (e.g. 3,6,9: light, medium, near "
                                                   "capacity), are served in turn on one executor.")] = None,
+    load: Annotated[str | None, typer.Option(
+        help="Loads as fractions of the policy's simulated capacity on each trace, comma-separated (e.g. "
+             "0.3,0.6,0.9: light, medium, near capacity); capacity = the highest rate at which >= 90 % of the "
+             "same requests meet both SLOs in the simulator (same policy, KV pool and latency model), found "
+             "before serving. Instead of --rate.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of synthetic arrivals and prompt ids.")] = 0,
     start: Annotated[int, typer.Option(help="Skip this many trace rows first.", min=0)] = 0,
     max_prompt: Annotated[int | None, typer.Option(help="Leave out prompts longer than this.")] = None,
@@ -83,9 +88,14 @@ def validate(
                               layers_per_step=layers_per_step, decode_sizes=sizes)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         lat = latency_model(latency, spec, gpu_spec)
+        if rate is not None and load is not None:
+            raise ConfigError("give --rate or --load, not both")
         traces, rates = parse_list(trace, str, "--trace"), parse_list(rate, float, "--rate") if rate else [None]
         if any(r is not None and not r > 0 for r in rates):
             raise ConfigError(f"--rate must be positive, got {rate!r}")
+        loads = parse_list(load, float, "--load") if load is not None else None
+        if loads is not None and not all(0 < x <= 10 for x in loads):
+            raise ConfigError(f"--load must be fractions of capacity in (0, 10], got {load!r}")
 
         def requests_of(tr: str, rt: float | None):
             def make_requests():
@@ -96,9 +106,8 @@ def validate(
                 return reqs
             return make_requests
 
-        runs = [(tr, rt, requests_of(tr, rt)) for tr in traces for rt in rates]
-        for tr, _, make in runs[::len(rates)]:  # bad trace input fails here, before the executor is built
-            if not make():
+        for tr in traces:  # bad trace input fails here, before the executor is built
+            if not requests_of(tr, rates[0] if loads is None else 1.0)():
                 raise ConfigError(f"no requests left to serve from {tr} (--max-prompt {max_prompt})")
     except (ConfigError, TraceError, ValueError) as e:
         raise fail(str(e)) from None
@@ -120,6 +129,22 @@ def validate(
             prepare_graphs(ex, cfg, gpu_spec, prefill=prefill_graphs)
     reports = []
     try:
+        runs = [(tr, rt, requests_of(tr, rt)) for tr in traces for rt in rates]
+        caps: dict[str, float] = {}  # --load: each trace's simulated capacity
+        if loads is not None:
+            runs = []
+            for tr in traces:
+                with console.status(f"{tr}: the simulated capacity of {policy}"):
+                    cap = lib.simulated_capacity(lambda rt, tr=tr: requests_of(tr, rt)(), spec, gpu_spec, cfg, slo,
+                                                 lat, ex.kv.num_blocks, ex.kv.block_size, prefix_caching)
+                caps[tr] = cap
+                if not 0 < cap < float("inf"):
+                    why = "for < 90 % of requests at any rate" if cap <= 0 else "even with every request at once"
+                    raise fail(f"{tr}: {policy} meets the SLOs {why} in the simulator: no capacity to scale "
+                               "--load by (use --rate, or other SLOs)")
+                console.print(f"{tr}: simulated capacity of {policy} {cap:.3g} req/s (>= 90 % meeting the SLOs); "
+                              f"serving at " + ", ".join(f"{x:g}x = {x * cap:.3g}" for x in loads) + " req/s")
+                runs += [(tr, round(x * cap, 3), requests_of(tr, round(x * cap, 3))) for x in loads]
         for i, (tr, rt, make) in enumerate(runs, 1):
             where = f"{tr}" + ("" if rt is None else f" @ {rt:g} req/s")
             with console.status(f"run {i}/{len(runs)} ({where}): serving {num_requests} requests, then "
@@ -143,7 +168,8 @@ def validate(
         ex.close()
     if as_json:
         doc = reports[0][2].to_json() if len(reports) == 1 else \
-            {"runs": [{"trace": tr, "rate": rt, **rep.to_json()} for tr, rt, rep in reports]}
+            {"runs": [{"trace": tr, "rate": rt, **({"capacity": caps[tr]} if tr in caps else {}), **rep.to_json()}
+                      for tr, rt, rep in reports]}
         json.dump(doc, sys.stdout, indent=1, default=float)
         sys.stdout.write("\n")
     elif len(reports) > 1:

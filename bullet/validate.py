@@ -142,6 +142,28 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
     return rep
 
 
+def simulated_capacity(requests_at: Callable[[float], list[Request]], model: ModelSpec, gpu: GpuSpec,
+                       sched: SchedulerConfig, slo: SloConfig, latency: LatencyModel, num_blocks: int,
+                       block_size: int, prefix_caching: bool = False, target: float = 0.9,
+                       guess: float = 1.0) -> float:
+    """The highest request rate at which at least ``target`` of ``requests_at(rate)`` meet both SLOs in the
+    simulator, with this policy, KV pool and latency model (bisection to 2 %, ``simulator.capacity``): what
+    ``bullet validate --load`` scales its rates by, so that "light, medium, near capacity" mean that for the
+    policy and trace at hand. Infinite when the SLOs hold even with every request arriving at once."""
+    from simulator.capacity import capacity
+    from simulator.run import simulate
+
+    cache = CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching)
+
+    def attainment(rate: float) -> float:
+        return simulate(requests_at(rate), model, gpu, sched, cache, slo, latency,
+                        timeline=False).summary["slo_attainment"]
+
+    if attainment(1e9) >= target:  # every request at once still meets the SLOs
+        return float("inf")
+    return capacity(attainment, guess, target)[0]
+
+
 def write_launches(rep: Report, path) -> None:
     """Every real launch as a CSV row: its work, measured and predicted ms."""
     import csv

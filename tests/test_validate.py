@@ -111,3 +111,38 @@ def test_validate_serves_several_traces_and_rates_on_one_executor(tmp_path):
     for bad in ("x,2", "0", ","):
         res = runner.invoke(app, [*args[:-2], "--rate", bad])
         assert res.exit_code == 2 and "--rate" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_validate_load_scales_rates_by_the_simulated_capacity(tmp_path):
+    """--load serves at fractions of the policy's simulated capacity; that capacity meets the SLOs for >= 90 %
+    of the requests in the simulator and twice it does not (checked here with simulate() directly)."""
+    from bullet.config import MODELS, CacheConfig
+    from bullet.traces import load_trace
+    from simulator.run import latency_model, simulate
+
+    trace = tmp_path / "a.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n30,4\n12,6\n50,3\n9,2\n8,5\n25,2\n")
+    args = ["validate", "--device", "cpu", "--model", "tiny-llama", "--trace", str(trace), "--num-requests", "6",
+            "--latency", "roofline", "--max-error", "1e9", "--max-batched-tokens", "16", "--slo-tpot", "100"]
+    res = runner.invoke(app, [*args, "--slo-ttft", "0.5", "--load", "0.5,0.9", "--json"])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.stdout)["runs"]
+    cap = runs[0]["capacity"]
+    assert [r["rate"] for r in runs] == [round(0.5 * cap, 3), round(0.9 * cap, 3)]
+    assert all(r["real"]["requests"] == 6 for r in runs)
+    spec, gpu = MODELS["tiny-llama"], GPUS["h200"]
+    cfg = SchedulerConfig(policy="chunked", max_batched_tokens=16)
+    slo = SloConfig(ttft=0.5e-3, tpot=0.1)
+
+    def attainment(rate):
+        return simulate(load_trace(str(trace), num_requests=6, rate=rate), spec, gpu, cfg,
+                        CacheConfig(num_blocks=4096, block_size=16), slo,
+                        latency_model("roofline", spec, gpu)).summary["slo_attainment"]
+
+    assert attainment(cap) >= 0.9 > attainment(2 * cap)
+    for bad, msg in ((["--load", "0.5", "--rate", "3"], "not both"), (["--load", "0"], "--load must be"),
+                     (["--load", "x"], "--load must be"),
+                     (["--load", "0.5", "--slo-ttft", "0.01"], "< 90 % of requests at any rate"),
+                     (["--load", "0.5", "--slo-ttft", "3000"], "every request at once")):
+        res = runner.invoke(app, [*args, *bad])
+        assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (bad, res.output)
