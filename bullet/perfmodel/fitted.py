@@ -455,16 +455,15 @@ class FittedModel:
         if steps > FLOAT_STRETCH or steps < 1 or type(num_sms) is not int:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
-        L, seqs, kv0 = work.num_layers, work.seqs, work.kv_read
-        key = (L, work.tokens, seqs, num_sms, co, co_sms, type(co_sms))
+        L, tokens, seqs, _, kv0, _, _, max_kv = work
+        key = (L, tokens, seqs, num_sms, co, co_sms, type(co_sms))
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
         c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f = setup
-        q = self.q
-        kvb, per_block = q.kv_bytes, q.per_block
+        kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
-        mk = float(work.max_kv or (kv0 / max(1, seqs)))
+        mk = float(max_kv or (kv0 / max(1, seqs)))
         # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
         t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
             L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
