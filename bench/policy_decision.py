@@ -73,6 +73,19 @@ def main() -> None:
     def split():
         return sched._prefill_want(now, work, sched._view(sched._decoding(), now))
 
+    # a new prefill job each call (a prompt of another length each time: 200,000 of them): the latency model's
+    # answers are not cached, as when a job forms; the searches start from the last decision's answers (warm)
+    # or from nothing (cold)
+    (chunk,), job_reqs, _ = sched.job
+    nxt = iter(range(10**9))
+
+    def new_job(cold: bool):
+        k = next(nxt) % 200_000
+        sched.job = ((chunk._replace(num_tokens=16 + k),), job_reqs, 0)
+        if cold:
+            sched._last.clear()
+        return sched._prefill_want(now, sched._job_work(range(8)), view)
+
     cases = {
         "prefill slice split after a decode launch came back (advance + _view + _prefill_want)":
             lambda: (came_back(), split()),
@@ -80,6 +93,9 @@ def main() -> None:
         "  decoding requests and their step budget (advance + _view)":
             lambda: (came_back(), sched._view(sched._decoding(), now)),
         "  decode size (_decode_need)": lambda: sched._decode_need(view, work),
+        f"a new prefill job, queue {'blocked' if not sched.admissible() else 'admissible'}: the split "
+        "(_prefill_want), predictions not cached, searches warm-started": lambda: new_job(False),
+        "  ... searches cold (no earlier answer)": lambda: new_job(True),
         f"queue order, {len(sched.waiting)} waiting (_order)": lambda: sched._order(now),
         "decode lane: idle decoders (_decoders)": sched._decoders,
     }

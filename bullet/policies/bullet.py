@@ -185,7 +185,7 @@ class Bullet(LayerSliced):
         self._parts = {(lane, n): Partition(lane, n) for lane, sizes in (("prefill", gpu.prefill_sizes),
                                                                           ("decode", gpu.decode_sizes))
                        for n in sizes}
-        self._last_need = 0  # index of the decode size _decode_need chose last
+        self._last: dict[str, int] = {}  # search -> the index _smallest answered last (its warm start)
         self.token_target = self._token_target()
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
         self._late: set[int] = set()  # those of them still held (each is counted once)
@@ -302,7 +302,7 @@ class Bullet(LayerSliced):
             return sizes[0]
         rest = self._job_work(range(first, L))
         predict, budget = self.latency.predict, (left - now) * (1 - self.cfg.slo_margin)
-        return self._smallest(sizes, lambda p: predict(rest, p) <= budget)
+        return self._smallest(sizes, lambda p: predict(rest, p) <= budget, "prefill_need")
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
         decoders = self._decoders()
@@ -433,19 +433,30 @@ class Bullet(LayerSliced):
         """The tightest next-step time among decoding ``reqs`` with slack lent (see :meth:`_view`)."""
         return self._view(reqs, now).loan
 
-    def _smallest(self, sizes: list[int], fits) -> int:
+    def _smallest(self, sizes: list[int], fits, search: str) -> int:
         """The smallest of ascending ``sizes`` for which ``fits(size)`` holds (the largest if none does),
-        by bisection: predicted time falls as SMs grow."""
+        by bisection: predicted time falls as SMs grow. Starts from this ``search``'s last answer (the split
+        moves little between decisions): two predictions when it still holds. With ``fits`` monotone in the
+        size, as bisection assumes, the answer is bisection's."""
+        i = self._last.get(search)
+        if i is not None and i < len(sizes) and fits(sizes[i]) and (i == 0 or not fits(sizes[i - 1])):
+            return sizes[i]
+        self._last[search] = i = self._bisect(sizes, fits)
+        return sizes[i]
+
+    @staticmethod
+    def _bisect(sizes: list[int], fits) -> int:
+        """The index :meth:`_smallest` answers, by bisection alone."""
         lo, hi = 0, len(sizes) - 1
         if not fits(sizes[hi]):
-            return sizes[hi]
+            return hi
         while lo < hi:
             mid = (lo + hi) // 2
             if fits(sizes[mid]):
                 hi = mid
             else:
                 lo = mid + 1
-        return sizes[lo]
+        return lo
 
     def _decode_knee(self, work: Work, co: Work | None) -> int:
         """The decode size past which more SMs barely speed ``work`` up (within KNEE of the largest size's
@@ -455,27 +466,17 @@ class Bullet(LayerSliced):
         if not work.seqs:
             return sizes[0]
         best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + KNEE)
-        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best)
+        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best, "decode_knee")
 
     def _decode_need(self, view: DecodeView, co: Work | None) -> int:
         """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits the
-        view's loan with ``slo_margin`` to spare; the largest if none. Starts from the last answer (the
-        split moves little between decisions): two predictions when it still holds."""
+        view's loan with ``slo_margin`` to spare; the largest if none."""
         sizes = self.dec_sizes
         budget = view.loan * (1 - self.cfg.slo_margin)
         if not view.work.seqs or budget == math.inf:
             return sizes[0]
         work, predict, N = view.work, self.latency.predict, self.N
-
-        def fits(d: int) -> bool:
-            return predict(work, d, co, N - d) <= budget
-
-        i = self._last_need
-        if fits(sizes[i]) and (i == 0 or not fits(sizes[i - 1])):
-            return sizes[i]
-        d = self._smallest(sizes, fits)
-        self._last_need = sizes.index(d)
-        return d
+        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= budget, "decode_need")
 
     def _order(self, now: float) -> None:
         """Order the fresh part of the queue (preempted requests stay in front, in rank order): the requests
