@@ -500,10 +500,10 @@ def profile(
                                                     "existing one is resumed: points already measured are "
                                                     "skipped.")] = None,
     quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (every other partition size, fewer "
-                                                               "lengths, 24 random launches, 16 random chunked "
-                                                               "steps, 8 random co-runs: 376 points; 352 took "
-                                                               "about 4 min on an H200) or the full grid "
-                                                               "(1476 points).")]
+                                                               "lengths, 24 random launches, 32 random chunked "
+                                                               "steps, 20 random co-run pairs: 408 points for "
+                                                               "Llama-3.1-8B on an H200; 352 took about 4 min) "
+                                                               "or the full grid (about 1,540 points).")]
     = True,
     reps: Annotated[int, typer.Option(min=1, help="Timed runs per point (after one warm-up run); the median "
                                                   "is kept.")] = 3,
@@ -514,6 +514,9 @@ def profile(
     prefill_graphs: Annotated[bool, typer.Option(help="Prefill and mixed launches a prefill graph can serve "
                                                       "(up to 512 tokens, 64 chunks) replay one, as serving does; "
                                                       "--no-prefill-graphs measures them eager.")] = True,
+    redo_partial_coruns: Annotated[bool, typer.Option(
+        help="Measure again the co-run prefill points whose decode stretch did not cover the prefill (overlap "
+             "under 0.95 in points.csv: measured before stretches were sized from the warm-up run).")] = False,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json: the measurements a fitted latency model is made from."""
@@ -555,7 +558,8 @@ def profile(
             def on_point(done: int, total: int, pid: str) -> None:
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
-            measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs)
+            measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
+                                            redo_partial_coruns)
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:

@@ -103,3 +103,27 @@ def test_every_gpu_grid_point_is_a_legal_launch(quick):
     for m in mixed:
         assert len(m.shape.decode) + sum(n for n, _ in m.shape.prefill) == 2048, m.id
         assert 2 <= len(m.shape.decode) <= 80 and all(256 <= c <= 4096 for c in m.shape.decode), m.id
+
+
+def test_redo_partial_coruns_measures_those_points_again(tmp_path):
+    """--redo-partial-coruns replaces exactly the co-run prefill rows whose overlap was under 0.95 (here made so
+    by editing the file, as a profile measured before stretches were sized from the warm-up run would be)."""
+    out = tmp_path / "prof"
+    run(out)
+    rows = read_points(out / "points.csv")
+    co_pre = [r["id"] for r in rows if r["lane"] == "prefill" and r["co_kind"]]
+    assert co_pre
+    for r in rows:
+        r["overlap"] = "0.5" if r["id"] == co_pre[0] else ("1.0" if r["id"] in co_pre else r["overlap"])
+    with (out / "points.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    assert f"measured 0 points ({len(rows)} already there)" in run(out)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
+                                   "--redo-partial-coruns"])
+    assert res.exit_code == 0, res.output
+    assert f"measured 1 points ({len(rows) - 1} already there)" in res.output
+    after = read_points(out / "points.csv")
+    assert sorted(r["id"] for r in after) == sorted(r["id"] for r in rows)
+    assert next(r for r in after if r["id"] == co_pre[0])["overlap"] != "0.5"

@@ -532,13 +532,21 @@ def _commit() -> str | None:
         return None
 
 
+def partial_corun(row: dict) -> bool:
+    """A co-run prefill point whose decode stretch did not cover the prefill (``overlap`` under 0.95): the
+    prefill ran partly alone. The profiler sizes stretches from the warm-up run now; points measured before
+    that can be re-measured (``run_profile(redo_partial=True)``, ``bullet profile --redo-partial-coruns``)."""
+    return row["lane"] == "prefill" and bool(row["co_kind"]) and float(row["overlap"] or 0.0) < 0.95
+
+
 def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
-                prefill_graphs: bool = True) -> tuple[int, int]:
+                prefill_graphs: bool = True, redo_partial: bool = False) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measured, skipped).
     ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches that a
     prefill graph can serve replay one (captured before their first run), as in serving; the limits go into
-    the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time."""
+    the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time.
+    ``redo_partial``: measure the :func:`partial_corun` points again (their rows are replaced)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
@@ -547,7 +555,9 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                executor.kv.num_blocks * executor.kv.block_size)
     path = out / "points.csv"
     have = {r["id"]: r for r in read_points(path)}
-    if have and path.exists():  # rewrite without a torn tail before appending
+    if redo_partial:
+        have = {k: r for k, r in have.items() if not partial_corun(r)}
+    if path.exists():  # rewrite without a torn tail (or the points to redo) before appending
         rows = list(have.values())
         tmp = path.with_name(".points.csv.tmp")
         with tmp.open("w", newline="") as f:
