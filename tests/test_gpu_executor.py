@@ -345,6 +345,73 @@ def test_gpu_prefix_cache_hits_match_reference(weights, gpu_menu):
     assert outs[True] == outs[False]
 
 
+def test_launches_are_enqueued_in_pieces_and_lanes_interleave(weights):
+    """A launch enqueues its first piece (a layer) in launch() and the rest in wait(), so the other lane can be
+    launched in between; the tokens are those of each launch alone; flush() enqueues the rest at once."""
+    def executor():
+        return GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED, weights=weights)
+
+    L = SPEC.num_layers
+    prompt = tuple(range(5, 35))
+
+    def prefill(req_id):  # a whole forward of one 30-token prompt on the prefill lane
+        return Batch(Partition("prefill", 92), range(L), (Chunk(req_id, 0, 30, tuple(range(8)), True, prompt),))
+
+    def decode_lane(req_id):  # a 3-token prompt, then 4 fused steps, on the decode lane
+        return Batch(Partition("decode", 40), range(L), (Chunk(req_id, 0, 3, (20, 21), True, (7, 8, 9)),), steps=4)
+
+    alone = {}
+    ex = executor()
+    for b in (prefill(1), decode_lane(2)):
+        ex.launch(b)
+        (res,) = ex.wait(None)
+        alone[b.lane] = res.tokens
+    ex.close()
+    ex = executor()
+    ex.launch(prefill(1))
+    assert ex._inflight["prefill"].work is not None  # its later layers are not run yet
+    ex.launch(decode_lane(2))
+    got = {}
+    while ex.busy("prefill") or ex.busy("decode"):
+        for res in ex.wait(None):
+            got[res.batch.lane] = res.tokens
+    assert all(np.array_equal(got[lane], alone[lane]) for lane in alone)
+    ex.launch(prefill(3))
+    ex.flush()
+    assert ex._inflight["prefill"].work is None
+    ex.close()
+
+
+def test_a_launch_that_fails_frees_its_lane(weights, monkeypatch):
+    """Bad input found while preparing the first piece raises from launch(); an error in a later piece raises
+    from wait(); either way the lane is free for the next launch."""
+    ex = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED, weights=weights)
+    L = SPEC.num_layers
+    with pytest.raises(ValueError, match="without token ids"):  # position 5 of a request never seen
+        ex.launch(Batch(Partition("prefill", 92), range(L), (Chunk(1, 5, 3, (0, 1), True),)))
+    assert not ex.busy("prefill")
+    calls = []
+    mlp = ex.model._mlp
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom in layer 1")
+        return mlp(*args)
+
+    monkeypatch.setattr(ex.model, "_mlp", failing)
+    ex.launch(Batch(Partition("prefill", 92), range(L), (Chunk(2, 0, 3, (2,), True, (1, 2, 3)),)))
+    assert ex.busy("prefill")
+    with pytest.raises(RuntimeError, match="boom"):
+        ex.wait(None)
+    assert not ex.busy("prefill")
+    monkeypatch.setattr(ex.model, "_mlp", mlp)
+    ex.launch(Batch(Partition("prefill", 92), range(L), (Chunk(3, 0, 3, (3,), True, (1, 2, 3)),)))
+    (res,) = ex.wait(None)
+    assert res.tokens.shape == (1, 1)
+    ex.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_gpu_corun_equals_alone(gpu_menu, first):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +60,7 @@ from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
 from .kernels.gemv import GEMV_DEFAULT
 from .kvcache import PagedKvCache
-from .model import Model, finish
+from .model import Model
 from .partitions import PartitionMenu, Side
 from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs
 from .sampling import sample
@@ -201,16 +202,14 @@ class GpuExecutor:
                          {"prefill": self.menu.prefill, "decode": self.menu.decode, "all": (self.menu.num_sms,)},
                          self.menu.num_sms)
         self._order += 1
-        if not self.cuda:
-            self._inflight[lane] = self._run_cpu(batch)
-            return
-        self._inflight[lane] = f = self._run_cuda(batch, self._side(batch))
+        f = self._run_cuda(batch, self._side(batch)) if self.cuda else self._run_cpu(batch)
+        self._inflight[lane] = f
         self._advance(f)
 
     def wait(self, until: float | None = None) -> list[StepResult]:
         while True:
             done = [f for f in self._inflight.values()
-                    if f.times is not None or (f.work is None and f.done_ev.query())]
+                    if f.work is None and (f.times is not None or f.done_ev.query())]
             if done:
                 return [self._finish(f) for f in self._by_end(done)]
             pending = [f for f in self._inflight.values() if f.work is not None]
@@ -619,12 +618,21 @@ class GpuExecutor:
         f.done_ev.record()
 
     def _advance(self, f: _Flight) -> None:
-        """Enqueue the next piece of ``f``'s launch on its partition's stream."""
-        with torch.cuda.stream(f.side.stream), self.model.on_sms(f.side.num_sms):
+        """Enqueue the next piece of ``f``'s launch on its partition's stream. A piece that raises (bad input
+        found while preparing it, a CUDA error) ends the launch: the lane is free again and the error goes to
+        the caller of ``launch`` or ``wait``, as it did when a launch was enqueued whole."""
+        with (torch.cuda.stream(f.side.stream) if f.side is not None else nullcontext()), \
+                self.model.on_sms(f.side.num_sms if f.side is not None else None):
             try:
                 next(f.work)
             except StopIteration:
                 f.work = None
+            except BaseException:
+                lane = f.batch.lane
+                if self._inflight.get(lane) is f:
+                    del self._inflight[lane]
+                self._held.pop(lane, None)
+                raise
 
     def flush(self) -> None:
         """Enqueue every launch in flight to its end now (the profiler times a launch's whole host part)."""
@@ -633,14 +641,19 @@ class GpuExecutor:
                 self._advance(f)
 
     def _run_cpu(self, batch: Batch) -> _Flight:
+        """The launch as a flight whose pieces run on the host as ``_advance`` reaches them (the CUDA path's
+        order of work, so the CPU tests cover it); its times are the host's clock around them."""
         f = self._new_flight(batch)
+        f.work = self._cpu_work(f, batch)
+        return f
+
+    def _cpu_work(self, f: _Flight, batch: Batch):
         start = self.now()
         ends: list[float] = []
-        toks, cols = finish(self._forward_steps(batch, None, lambda: ends.append(self.now())))
+        toks, cols = yield from self._forward_steps(batch, None, lambda: ends.append(self.now()))
         self._set_cols(f, batch, cols)
-        f.times = (start, ends[-1], ends)
         f.tokens = None if toks is None else toks.numpy().copy()
-        return f
+        f.times = (start, ends[-1], ends)
 
     def _new_flight(self, batch: Batch) -> _Flight:
         return _Flight(batch, self._order, np.zeros(0, np.int64), ())
