@@ -537,3 +537,50 @@ def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch):
     assert any(p[0] == "decode" and p[1] < 132 for p in sim_plan) and any(p[2].stop < SPEC.num_layers
                                                                              for p in sim_plan)
     check_against_reference(weights, done, reqs)
+
+
+def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, monkeypatch):
+    """A long prompt's two-slice job is set aside after its first slice for a short prompt that would miss its
+    per-token TTFT target behind it, and resumed after; the real executor's CPU path (fake clock) runs the
+    identical plan, holding the paused job's hidden state, with outputs equal to the reference. Times by hand
+    (LinearLatency: (2 ms + 1 ms per token) x half the layers x 132 / 124 SMs per slice): the long slice takes
+    80.9 ms, the short prompt's two slices 3.19 ms each after it: TTFT 72.3 ms against its 80 ms target."""
+    from bullet.config import SloConfig
+    from bullet.gpu.partitions import PartitionMenu
+    from simulator import SimExecutor
+
+    gpu = GPUS["h200"]
+    lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
+    slo = SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.5)
+    cfg = SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1)
+
+    def go(executor_of, pause=True):
+        reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 2), Request(3, 0.045, 4, 2)]
+        sched = make_scheduler(cfg, SPEC, gpu, BlockManager(256, 4), lat, slo=slo)
+        if not pause:
+            monkeypatch.setattr(sched, "_urgent", lambda now, d: False)
+        steps = []
+        done = serve(reqs, sched, executor_of(), on_step=steps.append)
+        plan = [(s.batch.lane, s.batch.partition.num_sms, s.batch.layers, s.batch.steps,
+                 tuple((c.req_id, c.start, c.num_tokens) for c in s.batch.chunks), s.start, s.end) for s in steps]
+        return {r.id: r for r in done}, plan, sched
+
+    done, sim_plan, sched = go(lambda: SimExecutor(lat, SPEC.num_layers, gpu))
+    assert sched.num_paused == 1
+    prefill = [(p[2], p[4]) for p in sim_plan if p[0] == "prefill" and p[4][0][0] >= 2]
+    assert prefill == [(range(1), ((2, 0, 150),)), (range(1), ((3, 0, 4),)), (range(1, 2), ((3, 0, 4),)),
+                       (range(1, 2), ((2, 0, 150),))]
+    long_slice = (2e-3 + 150e-3 + 150e-7) / 2 * 132 / 124  # LinearLatency by hand (per_kv 1e-7 per KV token)
+    short_slice = (2e-3 + 4e-3 + 4e-7) / 2 * 132 / 124
+    first = next(p for p in sim_plan if p[4] == ((2, 0, 150),))
+    assert first[6] - first[5] == pytest.approx(long_slice, rel=1e-9)
+    assert done[3].first_token_time == pytest.approx(first[6] + 2 * short_slice, rel=1e-9)
+    assert done[3].first_token_time - done[3].arrival < 0.08
+    late, _, _ = go(lambda: SimExecutor(lat, SPEC.num_layers, gpu), pause=False)
+    assert late[3].first_token_time - late[3].arrival > 0.08  # behind the whole job it misses
+    real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=256, seed=SEED, weights=weights,
+                       menu=PartitionMenu.fallback())
+    real_done, real_plan, _ = go(lambda: SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu)))
+    real.close()
+    assert real_plan == sim_plan
+    check_against_reference(weights, list(real_done.values()), list(real_done.values()))

@@ -67,6 +67,7 @@ from .sampling import sample
 from .weights import load_weights
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+HELD_PER_LANE = 2  # hidden states of unfinished layer-sliced jobs a lane keeps: the current one and one paused
 
 
 def synthetic_ids(req_id: int, start: int, n: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -168,7 +169,9 @@ class GpuExecutor:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._reqs: dict[int, _ReqState] = {}
         self._inflight: dict[Lane, _Flight] = {}
-        self._held: dict[Lane, _Held] = {}
+        # hidden states of layer-sliced prefill jobs between launches, by (lane, job): a policy may pause a job
+        # between slices to run a more urgent one first, so a lane holds up to HELD_PER_LANE of them
+        self._held: dict[tuple[Lane, tuple], _Held] = {}
         self._order = 0
         self._ref = None
         if self.cuda:
@@ -456,18 +459,17 @@ class GpuExecutor:
         after each step's sampling."""
         lane, L = batch.lane, self.spec.num_layers
         perm, chunks = self._order_chunks(batch)
-        key = tuple((c.req_id, c.start, c.num_tokens) for c in chunks)
+        key = (lane, tuple((c.req_id, c.start, c.num_tokens) for c in chunks))
         layers = batch.layers
         if layers.start > 0:
-            held = self._held.get(lane)
-            if held is None or held.key != key or held.stop != layers.start:
+            held = self._held.get(key)
+            if held is None or held.stop != layers.start:
                 raise RuntimeError(f"GpuExecutor: lane {lane!r} has no hidden state for {layers} of this batch")
             x = held.hidden
             if self.cuda and held.stream is not side.stream:
                 torch.cuda.current_stream(self.device).wait_event(held.event)
                 x.record_stream(torch.cuda.current_stream(self.device))
         else:
-            self._held.pop(lane, None)
             x = self._device_ids(chunks)
         sampling = [j for j, c in enumerate(chunks) if c.sample]
         cols = [perm[j] for j in sampling]
@@ -480,10 +482,10 @@ class GpuExecutor:
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record()
-            self._held[lane] = _Held(key, layers.stop, hidden, side.stream if side else None, ev)
+            self._hold(key, _Held(key, layers.stop, hidden, side.stream if side else None, ev))
             record()
             return None, cols
-        self._held.pop(lane, None)
+        self._held.pop(key, None)
         samp = [chunks[j] for j in sampling]
         steps = batch.steps
         slots = None
@@ -631,8 +633,20 @@ class GpuExecutor:
                 lane = f.batch.lane
                 if self._inflight.get(lane) is f:
                     del self._inflight[lane]
-                self._held.pop(lane, None)
+                self._held.pop(self._held_key(f.batch), None)
                 raise
+
+    def _hold(self, key: tuple, held: _Held) -> None:
+        """Keep a job's hidden state after its slice; a lane keeps its newest HELD_PER_LANE (a job left
+        unfinished, e.g. its requests failed, is dropped when newer ones need the room)."""
+        self._held.pop(key, None)
+        mine = [k for k in self._held if k[0] == key[0]]
+        for k in mine[:max(0, len(mine) - HELD_PER_LANE + 1)]:
+            del self._held[k]
+        self._held[key] = held
+
+    def _held_key(self, batch: Batch) -> tuple:
+        return batch.lane, tuple((c.req_id, c.start, c.num_tokens) for c in self._order_chunks(batch)[1])
 
     def flush(self) -> None:
         """Enqueue every launch in flight to its end now (the profiler times a launch's whole host part)."""

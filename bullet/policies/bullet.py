@@ -22,6 +22,10 @@ re-split at every launch of either lane:
   says a bigger batch stops paying (``token_target``: per-token time within 5 % of the best), advanced
   ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
   than the target runs alone.
+* **A job may be set aside between two of its slices** (``_urgent``) for the queue's head when the head would
+  miss its TTFT deadline behind the rest of the job and meets it run alone first, and the job's own requests
+  still meet theirs after it (or miss them either way); the job resumes when the head's job ends. One job at
+  a time is set aside. Under per-token TTFT targets this stops a short prompt from waiting out a long one.
 * **Queue order: earliest TTFT deadline first** (arrival + the TTFT target, absolute or per prompt token),
   among requests predicted to meet theirs, or shortest first where that order still meets every one of
   those deadlines (the paper's heuristic, kept only where it breaks none). A request predicted to miss goes
@@ -180,6 +184,8 @@ class Bullet(LayerSliced):
         self._decode_until = 0.0  # ... and that end, predicted when first asked (_predicted_decode_end)
         self._slice_work: Work | None = None  # the Work of the prefill slice in flight
         self._job_sums: tuple[tuple[Chunk, ...], Work] | None = None  # (the job's chunks, their whole Work)
+        self._paused: tuple[tuple[Chunk, ...], list[Request], int] | None = None  # a job set aside (_urgent)
+        self.num_paused = 0  # jobs paused between slices for an urgent request
         self.pre_sizes = list(gpu.prefill_sizes[:-1])
         # every partition a launch may ask for, made once (a Partition per launch costs a frozen dataclass)
         self._parts = {(lane, n): Partition(lane, n) for lane, sizes in (("prefill", gpu.prefill_sizes),
@@ -247,11 +253,19 @@ class Bullet(LayerSliced):
         d_cur = self._decode_sms()
         if d_cur >= self.N:
             return None  # decode holds the whole GPU until the next event; then the split is decided afresh
+        urgent = False
+        if self.job is not None and self.job[2] > 0 and self._paused is None and self.waiting \
+                and self.admissible() and self._urgent(now, d_cur):
+            self._paused, self.job, urgent = self.job, None, True  # the queue's head runs first
+            self.num_paused += 1
+        elif self.job is None and self._paused is not None:
+            self.job, self._paused = self._paused, None  # back to the job set aside
         if self.job is None:
             if not self.waiting:
                 return None
-            self._order(now)
-            chunks, reqs = self._take_whole()
+            if not urgent:  # (_urgent just ordered it)
+                self._order(now)
+            chunks, reqs = self._take_whole(alone=urgent)
             if not chunks:
                 return None
             self.job = (tuple(chunks), reqs, 0)
@@ -273,6 +287,27 @@ class Bullet(LayerSliced):
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
         self._slice_work = work
         return self._launch("prefill", batch, reqs)
+
+    def _urgent(self, now: float, d_cur: int) -> bool:
+        """Whether to set the job in flight aside between two of its slices for the queue's head (ordered
+        now): the head meets its TTFT deadline if it runs alone first and misses it behind the rest of the job,
+        and the job's requests still meet theirs after it (or already miss them either way). The paper's
+        layer-granular prefill re-decides SMs between slices; this re-decides the order too, so a short prompt
+        with a tight per-token target does not wait out a long prompt's whole job."""
+        self._order(now)
+        head = self.waiting[0]
+        deadline = self.deadline.get(head.id, math.inf)
+        if deadline == math.inf or head.id in self.rank:  # no target, or a preempted request coming back
+            return False
+        _, reqs, first = self.job
+        L, p = self.model.num_layers, (self.N - d_cur if d_cur < self.N else self.N)
+        rest = float(self.latency.predict(self._job_work(range(first, L)), p))
+        n = head.known
+        mine = float(self.latency.predict(Work(L, n, 1, n * (n + 1) / 2, n, 1, True, n), p))
+        if now + rest + mine <= deadline or now + mine > deadline:  # on time behind the job, or late anyway
+            return False
+        due = min((self.deadline.get(r.id, math.inf) for r in reqs), default=math.inf)
+        return now + mine + rest <= due or now + rest > due
 
     def _job_work(self, layers: range) -> Work:
         """``work_of`` the job's chunks over ``layers``: the sums over its chunks are taken once per job."""
@@ -559,16 +594,16 @@ class Bullet(LayerSliced):
         p = self.N - d if d < self.N else self.N
         return float(self.latency.predict(self._probe(self.token_target), p)) / self.token_target
 
-    def _take_whole(self) -> tuple[list[Chunk], list[Request]]:
+    def _take_whole(self, alone: bool = False) -> tuple[list[Chunk], list[Request]]:
         """Admit whole prompts from the head of the queue up to ``token_target`` tokens (the first one whatever
-        its length), under the KV rules of ``base.py``."""
+        its length; only it with ``alone``), under the KV rules of ``base.py``."""
         chunks: list[Chunk] = []
         reqs: list[Request] = []
         tokens, bs = 0, self.kv.block_size
         while self.admissible():
             r = self.waiting[0]
             n = r.known - len(self._hits(r)) * bs
-            if reqs and tokens + n > self.token_target:
+            if reqs and (alone or tokens + n > self.token_target):
                 break
             self._admit(r)
             self.kv.allocate(r.id, r.known)
