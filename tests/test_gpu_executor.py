@@ -555,7 +555,7 @@ def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, mon
     cfg = SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1)
 
     def go(executor_of, pause=True):
-        reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 2), Request(3, 0.045, 4, 2)]
+        reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 12), Request(3, 0.045, 4, 2)]
         sched = make_scheduler(cfg, SPEC, gpu, BlockManager(256, 4), lat, slo=slo)
         if not pause:
             monkeypatch.setattr(sched, "_urgent", lambda now, d: False)
@@ -578,9 +578,15 @@ def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, mon
     assert done[3].first_token_time - done[3].arrival < 0.08
     late, _, _ = go(lambda: SimExecutor(lat, SPEC.num_layers, gpu), pause=False)
     assert late[3].first_token_time - late[3].arrival > 0.08  # behind the whole job it misses
-    real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=256, seed=SEED, weights=weights,
-                       menu=PartitionMenu.fallback())
-    real_done, real_plan, _ = go(lambda: SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu)))
-    real.close()
-    assert real_plan == sim_plan
-    check_against_reference(weights, list(real_done.values()), list(real_done.values()))
+    L = SPEC.num_layers
+    for graphs in (False, True):  # eager slices, and slices replaying prefill graphs (one hidden-state buffer)
+        real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=256, seed=SEED, weights=weights,
+                           menu=PartitionMenu.fallback(), token_buckets=(16, 32, 64, 256))
+        if graphs:
+            real.capture_prefill("prefill", 124, layer_ranges=[range(L)] + [range(i, i + 1) for i in range(L)])
+        real_done, real_plan, _ = go(lambda real=real: SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu)))
+        replays = sum(pg.replays for pg in real.prefill_graphs.values())
+        real.close()
+        assert real_plan == sim_plan
+        assert (replays >= 4) == graphs  # both jobs' slices replayed graphs
+        check_against_reference(weights, list(real_done.values()), list(real_done.values()))

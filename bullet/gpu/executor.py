@@ -475,7 +475,9 @@ class GpuExecutor:
         cols = [perm[j] for j in sampling]
         if layers.stop < L:
             hidden = self._prefill_graph(lane, side, chunks, (), x, layers)
-            if hidden is None:
+            if hidden is not None:  # a view of the lane's graph buffer, which the slice of another job (one run
+                hidden = hidden.clone()  # while this one is set aside) would overwrite: hold a copy
+            else:
                 meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q)
                 hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)
             ev = None
