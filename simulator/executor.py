@@ -36,7 +36,6 @@ class _Flight:
     end: float = 0.0
     token: int = 0  # the live clock entry's number (0: none yet)
     knots: list[tuple[float, float]] | None = None  # (time, progress) where the rate changed (None: never)
-    alone: float = 0.0  # its duration alone on the GPU, once timed so (a re-time after the co-runner ends)
 
 
 class SimExecutor:
@@ -52,7 +51,6 @@ class SimExecutor:
         self._done: list[StepResult] = []
         self._tokens = 0
         self._pending: float | None = None  # a launch ended then: the other lane's re-time, not yet done
-        self._legal: set[tuple] = set()  # (lane, SMs, *other lanes' (lane, SMs)) that passed check_launch
 
     def now(self) -> float:
         return self._now
@@ -68,10 +66,7 @@ class SimExecutor:
         lane, flights = part.lane, self._flights
         if lane in flights:
             raise RuntimeError(f"lane {lane!r} already has a batch in flight")
-        pair = (lane, part.num_sms, *[(f.batch.lane, f.sms) for f in flights.values()])
-        if pair not in self._legal:  # (the rule depends on the lanes and SM counts alone)
-            check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
-            self._legal.add(pair)
+        check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
         now = self._now
         work = batch_work(self.latency, batch, self.num_layers)
         f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, now, mark=now)
@@ -96,17 +91,13 @@ class SimExecutor:
 
     def _time(self, lane: Lane, f: _Flight, now: float, co: Work | None, co_sms: int) -> None:
         """(Re)compute ``f``'s end next to ``co`` (on ``co_sms`` SMs; None: alone) from ``now`` on."""
-        if co is None and f.alone:
-            duration = f.alone
-        elif f.steps > 1:
+        if f.steps > 1:
             cum = step_ends(self.latency, f.work, f.steps, f.sms, co, co_sms)
-            duration = cum.item(-1)
+            duration = float(cum[-1])
             if f.cum is None:
                 f.cum = cum
         else:
             duration = float(self.latency.predict(f.work, f.sms, co, co_sms))
-        if co is None:
-            f.alone = duration
         if f.duration:  # already running: conserve progress, change rate
             f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
             if f.knots is None:
