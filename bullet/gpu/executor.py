@@ -113,7 +113,6 @@ class _Flight:
 class _Held:
     """Hidden state of a layer-sliced prefill between launches on one lane."""
 
-    key: tuple
     stop: int
     hidden: torch.Tensor
     stream: object
@@ -459,7 +458,7 @@ class GpuExecutor:
         after each step's sampling."""
         lane, L = batch.lane, self.spec.num_layers
         perm, chunks = self._order_chunks(batch)
-        key = (lane, tuple((c.req_id, c.start, c.num_tokens) for c in chunks))
+        key = self._job_key(lane, chunks)
         layers = batch.layers
         if layers.start > 0:
             held = self._held.get(key)
@@ -484,7 +483,7 @@ class GpuExecutor:
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record()
-            self._hold(key, _Held(key, layers.stop, hidden, side.stream if side else None, ev))
+            self._hold(key, _Held(layers.stop, hidden, side.stream if side else None, ev))
             record()
             return None, cols
         self._held.pop(key, None)
@@ -635,7 +634,7 @@ class GpuExecutor:
                 lane = f.batch.lane
                 if self._inflight.get(lane) is f:
                     del self._inflight[lane]
-                self._held.pop(self._held_key(f.batch), None)
+                self._held.pop(self._job_key(lane, self._order_chunks(f.batch)[1]), None)
                 raise
 
     def _hold(self, key: tuple, held: _Held) -> None:
@@ -647,8 +646,10 @@ class GpuExecutor:
             del self._held[k]
         self._held[key] = held
 
-    def _held_key(self, batch: Batch) -> tuple:
-        return batch.lane, tuple((c.req_id, c.start, c.num_tokens) for c in self._order_chunks(batch)[1])
+    @staticmethod
+    def _job_key(lane: Lane, chunks: Sequence[Chunk]) -> tuple:
+        """What a lane's held hidden state is filed under: the lane and its (ordered) chunks' positions."""
+        return lane, tuple((c.req_id, c.start, c.num_tokens) for c in chunks)
 
     def flush(self) -> None:
         """Enqueue every launch in flight to its end now (the profiler times a launch's whole host part)."""
