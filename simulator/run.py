@@ -191,7 +191,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
                    prefix_caching=kv.prefix_caching, prefix_cache_hit_tokens=scheduler.hit_tokens,
                    prefix_cache_query_tokens=scheduler.query_tokens,
                    prefix_cache_hit_rate=(scheduler.hit_tokens / scheduler.query_tokens
-                                          if scheduler.query_tokens else 0.0))
+                                          if scheduler.query_tokens else 0.0),
+                   **scheduler.counters())
     summary["config"] = {"scheduler": _plain(asdict(sched)), "cache": asdict(cache), "tp": model.tp,
                          "max_concurrency": max_concurrency, "percentiles": list(percentiles),
                          "live_window_s": live_window,

@@ -372,3 +372,23 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
             assert times(make_load(seed), slo, **cfg) == plain
     assert seen["arrays"] > 500 and seen["orders"] > 100 and preempted > 10 and rejected > 5, (seen, preempted,
                                                                                               rejected)
+
+
+def test_summary_counts_jobs_set_aside():
+    """The simulation summary reports how many prefill jobs bullet set aside for an urgent prompt: one in
+    this case (the hand-timed case of tests/test_gpu_executor.py's set-aside test: a 150-token job in
+    one-layer slices, then a 4-token prompt that misses its 80 ms target behind it and meets it ahead of its
+    second slice); policies that set nothing aside report no such count."""
+    from bullet.config import CacheConfig
+    from simulator.run import simulate
+
+    spec, gpu = MODELS["tiny-llama"], GPUS["h200"]
+    lat = LinearLatency(spec.num_layers, base=2e-3, per_token=1e-3)
+    slo = SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.5)
+    reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 12), Request(3, 0.045, 4, 2)]
+    cache = CacheConfig(num_blocks=256, block_size=4)
+    res = simulate(reqs, spec, gpu, SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1),
+                   cache, slo, lat)
+    assert res.summary["jobs_set_aside"] == 1
+    other = simulate(reqs, spec, gpu, SchedulerConfig(policy="chunked"), cache, slo, lat)
+    assert "jobs_set_aside" not in other.summary

@@ -64,6 +64,10 @@ class Scheduler:
         False, only first and last token times and the pooled gaps in ``self.gaps``. Before the first add."""
         self.gaps = None if keep else TokenGaps()
 
+    def counters(self) -> dict[str, int]:
+        """What a policy counts of its own decisions, for the run's summary (none here)."""
+        return {}
+
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
         total = req.prompt_len + req.max_new_tokens

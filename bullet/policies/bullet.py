@@ -238,6 +238,9 @@ class Bullet(LayerSliced):
         return next(t for t, x in zip(sizes, per_tok) if x <= best * (1 + EFFICIENT_WITHIN))
 
     # ---- scheduling --------------------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        return {"jobs_set_aside": self.num_paused}
+
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
         return self._schedule_prefill(now) if lane == "prefill" else self._schedule_decode(now, horizon)
 
