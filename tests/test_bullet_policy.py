@@ -127,6 +127,20 @@ def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
     assert tpot <= 0.05
 
 
+def test_with_nobody_waiting_decode_gets_its_idle_knee():
+    """With nobody waiting behind the prefill job, decode gets the smallest size whose step is within
+    IDLE_KNEE (50 %) of its step on the largest decode size (112 SMs): LinearLatency scales time by 132 / d, so
+    d >= 112 / 1.5 = 74.7: 80 SMs, prefill the other 52 (loose SLOs: the job's deadline needs less, decode's
+    TPOT needs 8). With a prompt waiting behind the job, prefill takes all decode does not need: 132 - 8."""
+    for behind, want in ((False, 52), (True, 124)):
+        reqs = [Request(0, 0.0, 20, 400), Request(1, 0.5, 100, 5)] + ([Request(2, 0.5, 100, 5)] if behind else [])
+        _, steps, _ = run(reqs, SloConfig(ttft=10.0, tpot=1.0), layers_per_step=8, max_batched_tokens=128)
+        first = next(s for s in steps if s.batch.lane == "prefill" and s.start >= 0.5)
+        assert [c.req_id for c in first.batch.chunks] == [1] and first.batch.partition.num_sms == want
+        dec = next(s for s in steps if s.batch.lane == "decode" and s.start >= first.start)
+        assert dec.batch.partition.num_sms == 132 - want
+
+
 def test_edf_order_and_late_requests_go_last():
     """Per-token TTFT: three prompts arriving together are prefilled shortest (earliest deadline) first. With
     an absolute TTFT of 50 ms, a prompt that cannot make it even alone goes after one that can."""
@@ -374,7 +388,7 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
                                                                                               rejected)
 
 
-def test_summary_counts_jobs_set_aside():
+def test_summary_counts_jobs_set_aside(monkeypatch):
     """The simulation summary reports how many prefill jobs bullet set aside for an urgent prompt: one in
     this case (the hand-timed case of tests/test_gpu_executor.py's set-aside test: a 150-token job in
     one-layer slices, then a 4-token prompt that misses its 80 ms target behind it and meets it ahead of its
@@ -387,6 +401,7 @@ def test_summary_counts_jobs_set_aside():
     slo = SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.5)
     reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 12), Request(3, 0.045, 4, 2)]
     cache = CacheConfig(num_blocks=256, block_size=4)
+    monkeypatch.setattr("bullet.policies.bullet.IDLE_KNEE", math.inf)  # the case's split: decode on its TPOT floor
     res = simulate(reqs, spec, gpu, SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1),
                    cache, slo, lat)
     assert res.summary["jobs_set_aside"] == 1

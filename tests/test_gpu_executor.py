@@ -6,6 +6,7 @@ and check that co-running a prefill next to decode steps changes nothing."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -553,6 +554,8 @@ def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, mon
     lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
     slo = SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.5)
     cfg = SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1)
+    # decode on its TPOT floor (8 SMs) even with nobody waiting, so the hand timing holds: prefill on 124 SMs
+    monkeypatch.setattr("bullet.policies.bullet.IDLE_KNEE", math.inf)
 
     def go(executor_of, pause=True):
         reqs = [Request(0, 0.0, 4, 30), Request(1, 0.0, 4, 30), Request(2, 0.03, 150, 12), Request(3, 0.045, 4, 2)]
