@@ -152,6 +152,8 @@ class CachedLatency:
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
         if isinstance(num_sms, np.ndarray):
             return self.model.predict(work, num_sms, co, co_sms)
+        if co is None:  # (SMs of no co-runner: a policy may pass the other lane's size anyway)
+            co_sms = 0
         key = (work, num_sms, co, co_sms)
         out = self._predicted.get(key)
         if out is None:
@@ -173,7 +175,10 @@ class CachedLatency:
                   co_sms: int = 0) -> np.ndarray:
         """:func:`step_ends`, remembered for the last launch asked about: the policy sizes a launch with
         ``k_max`` steps and the simulator then times its ``k <= k_max`` (a cumulative sum's first ``k``
-        entries are those of the first ``k`` steps' sum: the same numbers)."""
+        entries are those of the first ``k`` steps' sum: the same numbers). Without a co-runner its SMs are
+        left out of the key: a policy may pass the other lane's size, the simulator passes 0."""
+        if co is None:
+            co_sms = 0
         key = (first, num_sms, co, co_sms)
         if key != self._ekey or steps > len(self._ends):
             if first.tokens != first.seqs:

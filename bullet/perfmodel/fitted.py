@@ -400,7 +400,10 @@ class FittedModel:
         ``co_sms`` other SMs (None / 0: alone)."""
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
-        n, arr = check_sms(num_sms, self.num_sms)
+        if type(num_sms) is int and 0 < num_sms <= self.num_sms:  # the simulator's case, checked at once
+            n, arr = num_sms, False
+        else:
+            n, arr = check_sms(num_sms, self.num_sms)
         if co is not None and not arr and co_sms:
             n, co_sms = self._shared_sms(n, int(co_sms), work, co)
         if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
@@ -510,6 +513,8 @@ class FittedModel:
     # ---------------------------------------------------------------- parts
     def _shared_sms(self, n: int, co_sms: int, work: Work, co: Work) -> tuple[int, int]:
         """:func:`~bullet.perfmodel.base.shared_sms`, memoised: it depends on the launches' token counts alone."""
+        if 0 <= co_sms and n + co_sms <= self.num_sms:  # disjoint lanes keep their SMs (no lookup)
+            return n, co_sms
         key = (n, co_sms, work.tokens, co.tokens)
         out = self._share.get(key)
         if out is None:
