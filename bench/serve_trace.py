@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--port", type=int, default=8131)
     ap.add_argument("--run-args", default="", help="more flags for bullet run, one string")
-    ap.add_argument("--out", type=Path, default=Path("serve_trace"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "serve_trace")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"

@@ -104,7 +104,8 @@ def main() -> None:
     ap.add_argument("--sim-plans-to-arrivals", action="store_true",
                     help="simulate as a trace replay (planning to the next arrival) instead of with the server's "
                          "window")
-    ap.add_argument("--out", type=Path, default=Path("serve_vs_sim"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "serve_vs_sim",
+                    help="folder for results.json, each run's bench JSON and the server logs (git-ignored default)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
