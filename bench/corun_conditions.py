@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--latency", help="a model JSON (`bullet fit`): print its predictions too")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     args = ap.parse_args()
+    gpu = GPUS["h200"]
+    if args.prefill_sms not in gpu.prefill_sizes[:-1] or gpu.num_sms - args.prefill_sms not in gpu.decode_sizes:
+        ap.error(f"--prefill-sms {args.prefill_sms}: not a split of {gpu.name}'s nested menu (prefill sizes "
+                 f"{', '.join(map(str, gpu.prefill_sizes[:-1]))})")
 
     from bullet.gpu.executor import GpuExecutor, prepare_graphs
     from bullet.gpu.profile import Point, Profiler, Shape
@@ -63,7 +67,6 @@ def main() -> None:
 
     spec = resolve_model(args.model)
     cuda = args.device.startswith("cuda")
-    gpu = GPUS["h200"]
     ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.85)
     n_sms = ex.menu.num_sms if cuda else gpu.num_sms
     p_sms, d_sms = args.prefill_sms, n_sms - args.prefill_sms

@@ -329,14 +329,15 @@ class Bullet(LayerSliced):
         queue is blocked (its head cannot be admitted: seats or KV are full), decode speed is what frees
         them, so decode gets its knee and prefill the fewest SMs that still finish the job by its requests'
         deadlines. When nobody waits behind the job, finishing it early gains nothing but squeezing decode
-        to its TPOT floor defers decode work into a backlog (at 7 req/s on sharegpt, the run's last requests
-        decoded 20 % slower than under chunked prefill and the run ended 4 % later): decode gets a looser knee
+        to its TPOT floor defers decode work into a backlog (at 7 req/s on sharegpt, the run's last request
+        decoded 24 % slower than under chunked prefill and the run ended 4 % later: bench/RESULTS.md): decode gets a looser knee
         (IDLE_KNEE), prefill at least what its deadlines need, decode at least what its TPOT targets need.
         Else prefill takes all that decode does not need for its TPOT targets."""
         if self.waiting and not self.admissible():
             return max(self._prefill_need(now), self.N - self._decode_knee(view.work, work))
         if not self.waiting:  # nobody to make room for: decode's speed is worth more than a prefill ahead of time
-            want = max(self._prefill_need(now), self.N - self._decode_knee(view.work, work, IDLE_KNEE))
+            knee = self._decode_knee(view.work, work, IDLE_KNEE, "idle_knee")
+            want = max(self._prefill_need(now), self.N - knee)
             return min(want, self.N - self._decode_need(view, work))
         return self.N - self._decode_need(view, work)
 
@@ -506,15 +507,15 @@ class Bullet(LayerSliced):
                 lo = mid + 1
         return lo
 
-    def _decode_knee(self, work: Work, co: Work | None, slack: float = KNEE) -> int:
+    def _decode_knee(self, work: Work, co: Work | None, slack: float = KNEE, search: str = "decode_knee") -> int:
         """The decode size past which more SMs barely speed ``work`` up (within ``slack`` of the largest
         size's step): memory-bound decode saturates HBM well before it has every SM (docs/background.md: 64 of 132
-        SMs pull 85 % of the whole GPU's bandwidth on the H200)."""
+        SMs pull 85 % of the whole GPU's bandwidth on the H200). ``search``: its warm start's name, one per slack."""
         predict, N, sizes = self.latency.predict, self.N, self.dec_sizes
         if not work.seqs:
             return sizes[0]
         best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + slack)
-        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best, f"decode_knee{slack}")
+        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best, search)
 
     def _decode_need(self, view: DecodeView, co: Work | None) -> int:
         """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits the
