@@ -514,9 +514,9 @@ def profile(
     prefill_graphs: Annotated[bool, typer.Option(help="Prefill and mixed launches a prefill graph can serve "
                                                       "(up to 512 tokens, 64 chunks) replay one, as serving does; "
                                                       "--no-prefill-graphs measures them eager.")] = True,
-    redo_partial_coruns: Annotated[bool, typer.Option(
-        help="Measure again the co-run prefill points whose decode stretch did not cover the prefill (overlap "
-             "under 0.95 in points.csv: measured before stretches were sized from the warm-up run).")] = False,
+    redo_coruns: Annotated[bool, typer.Option(
+        help="Measure every co-run point again (their rows are replaced): needed to resume a profile whose "
+             "co-run points were measured by an older protocol (metadata.json's corun_protocol).")] = False,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json: the measurements a fitted latency model is made from."""
@@ -559,7 +559,7 @@ def profile(
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
-                                            redo_partial_coruns)
+                                            redo_coruns)
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:

@@ -105,25 +105,26 @@ def test_every_gpu_grid_point_is_a_legal_launch(quick):
         assert 2 <= len(m.shape.decode) <= 80 and all(256 <= c <= 4096 for c in m.shape.decode), m.id
 
 
-def test_redo_partial_coruns_measures_those_points_again(tmp_path):
-    """--redo-partial-coruns replaces exactly the co-run prefill rows whose overlap was under 0.95 (here made so
-    by editing the file, as a profile measured before stretches were sized from the warm-up run would be)."""
+def test_a_profile_of_another_corun_protocol_is_resumed_only_with_redo_coruns(tmp_path):
+    """Co-run points measured by another protocol (here: the metadata of a profile from before the protocol was
+    recorded) are not mixed with new ones: resuming refuses, naming the flag; --redo-coruns measures exactly the
+    co-run points again and records the protocol."""
     out = tmp_path / "prof"
     run(out)
     rows = read_points(out / "points.csv")
-    co_pre = [r["id"] for r in rows if r["lane"] == "prefill" and r["co_kind"]]
-    assert co_pre
-    for r in rows:
-        r["overlap"] = "0.5" if r["id"] == co_pre[0] else ("1.0" if r["id"] in co_pre else r["overlap"])
-    with (out / "points.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    assert f"measured 0 points ({len(rows)} already there)" in run(out)
+    co = {r["id"] for r in rows if r["co_kind"]}
+    assert co
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["corun_protocol"] == {"name": "continuous", "sustain_s": 2.0}
+    del meta["corun_protocol"]
+    (out / "metadata.json").write_text(json.dumps(meta))
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out)])
+    assert res.exit_code == 2 and "--redo-coruns" in res.output and "single burst" in res.output, res.output
     res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
-                                   "--redo-partial-coruns"])
+                                   "--redo-coruns"])
     assert res.exit_code == 0, res.output
-    assert f"measured 1 points ({len(rows) - 1} already there)" in res.output
+    assert f"measured {len(co)} points ({len(rows) - len(co)} already there)" in res.output
     after = read_points(out / "points.csv")
     assert sorted(r["id"] for r in after) == sorted(r["id"] for r in rows)
-    assert next(r for r in after if r["id"] == co_pre[0])["overlap"] != "0.5"
+    assert [r["id"] for r in after[-len(co):]] == [r["id"] for r in rows if r["id"] in co]  # appended again
+    assert json.loads((out / "metadata.json").read_text())["corun_protocol"]["name"] == "continuous"

@@ -7,7 +7,9 @@ context lengths, uniform or skewed) on a decode partition or the whole GPU; a mi
 rows plus a prompt chunk) on the whole GPU; and co-runs, a prefill on one partition while fused decode steps run on
 the complementary one, which give one point for each side with the other as its co-runner. Each is run once to
 warm up (graph capture, attention plans), then ``reps`` times; a row holds the median GPU time (CUDA events), the
-host time spent in ``GpuExecutor.launch``, and the launch's :class:`~bullet.perfmodel.Work` features.
+host time spent in ``GpuExecutor.launch``, and the launch's :class:`~bullet.perfmodel.Work` features. Co-runs are
+measured as loaded serving runs them (:data:`CORUN_PROTOCOL`): both lanes relaunched without a pause for a few
+seconds before the timed runs, so the GPU is at its power cap as it is in serving.
 
 Output folder: ``points.csv`` (one row per point, appended and flushed as each is measured, so an interrupted
 profile keeps what it measured and a rerun skips it) and ``metadata.json`` (GPU, SMs, power limit, clocks,
@@ -37,6 +39,9 @@ from ..perfmodel import work_of
 from .partitions import PartitionMenu
 
 PROFILE_VERSION = 1
+# How co-run points are measured (metadata.json): both lanes relaunched without a pause, ``sustain_s`` seconds
+# before the timed prefills. Points of another protocol are not mixed in one profile (``--redo-coruns``).
+CORUN_PROTOCOL = {"name": "continuous", "sustain_s": 2.0}
 COLUMNS = ("id", "kind", "lane", "sms", "layers", "seqs", "tokens", "decode_seqs", "attn_pairs", "kv_read",
            "max_ctx", "samples", "embed", "steps", "co_kind", "co_sms", "co_tokens", "co_seqs", "co_kv_read",
            "co_attn_pairs", "co_layers", "overlap", "gpu_s", "first_s", "step_s", "host_s", "gpu_s_min",
@@ -259,8 +264,9 @@ def sampled_mixed(num_sms: int, count: int, kv_tokens: int | None, budget: int =
 class Profiler:
     """Runs points on a :class:`~bullet.gpu.executor.GpuExecutor`, with its own block tables."""
 
-    def __init__(self, executor, reps: int = 3, prefill_graphs: bool = True) -> None:
-        self.ex, self.reps, self.prefill_graphs = executor, reps, prefill_graphs
+    def __init__(self, executor, reps: int = 3, prefill_graphs: bool = True,
+                 sustain_s: float = CORUN_PROTOCOL["sustain_s"]) -> None:
+        self.ex, self.reps, self.prefill_graphs, self.sustain_s = executor, reps, prefill_graphs, sustain_s
         self.spec: ModelSpec = executor.spec
         self.kv = BlockManager(executor.kv.num_blocks, executor.kv.block_size)
         self._rid = 1 << 40  # request ids of our own, far from any real ones
@@ -327,53 +333,87 @@ class Profiler:
         return row
 
     def _measure_corun(self, pt: Point) -> dict:
-        """``pt.shape`` on its lane while ``pt.co`` runs on the other. A prefill is timed whole, inside a decode
-        stretch sized to outlast it; decode steps are timed while the prefill runs (steps inside its window)."""
+        """``pt.shape`` on its lane while ``pt.co`` runs on the other, both lanes kept busy as loaded serving keeps
+        them (:data:`CORUN_PROTOCOL`): the decode lane relaunches stretches of fresh rows and the prefill lane
+        relaunches the prefill, each as soon as its last launch returns, for ``sustain_s`` seconds (the GPU
+        settles at its power cap: a co-run prefill measured in a single burst was 3-5 % faster than after a
+        few seconds of it on the H200, bench/RESULTS.md), then ``reps`` timed prefills. A prefill point is
+        the median of those; a decode point the median step among those covered by the timed prefills."""
         pre_pt, dec_pt = (pt, Point(pt.co, "decode", pt.co_sms)) if pt.lane == "prefill" else \
             (Point(pt.co, "prefill", pt.co_sms), Point(pt.shape, "decode", pt.sms))
-        pre_t = self.solo.get(Point(pre_pt.shape, "prefill", pre_pt.sms).id)
-        step_t = self.solo.get(Point(dec_pt.shape, "decode", dec_pt.sms).id)
-        steps = dec_pt.shape.steps
-        if pre_t is not None and step_t is not None:  # outlast the prefill, slowed by up to ~1.5x
-            steps = int(min(512, max(steps, np.ceil(1.6 * pre_t / (step_t / dec_pt.shape.steps)) + 2)))
-        runs, overlaps = [], []
-        for rep in range(self.reps + 1):
-            dchunks = self._chunks(dec_pt.shape, steps)
+        stretch = dec_pt.shape.steps
+        step_t = self.solo.get(dec_pt.id)  # s a step, from the solo point if measured
+        if step_t is not None:
+            step_t /= stretch
+            stretch = self._stretch(stretch, step_t)
+        if self.prefill_graphs:
             pchunks = self._chunks(pre_pt.shape, 1)
-            dbatch = self._batch(dec_pt.shape, "decode", dec_pt.sms, dchunks, steps)
-            pbatch = self._batch(pre_pt.shape, "prefill", pre_pt.sms, pchunks)
-            if not rep and self.prefill_graphs:
-                self.ex.capture_prefill_for(pbatch)
-            dhost = self._launch(dbatch)
-            phost = self._launch(pbatch)
-            res = {r.batch.lane: r for r in self._drain()}
-            self._release(dchunks + pchunks)
-            d, p = res["decode"], res["prefill"]
-            if not rep:
-                if (pre_t is None or step_t is None) and self.ex.cuda:  # no solo times to size it by: outlast the warm-up's prefill
-                    step = float(np.median(np.diff(np.concatenate(([d.start], d.step_ends)))))
-                    steps = int(min(512, max(steps, np.ceil(1.6 * (p.end - p.start) / step) + 2)))
-                continue
-            ends = np.asarray(d.step_ends)
-            starts = np.concatenate(([d.start], ends[:-1]))
-            share = (np.minimum(ends, p.end) - np.maximum(starts, p.start)) / np.maximum(ends - starts, 1e-12)
-            inside = share >= 0.999  # steps that ran entirely next to the prefill
-            if not inside.any() and share.max() >= 0.5:  # steps longer than the prefill: the most-covered one
-                inside = share == share.max()
-            overlap = max(0.0, min(d.end, p.end) - max(d.start, p.start)) / max(p.end - p.start, 1e-12)
-            overlaps.append(overlap)
-            if pt.lane == "prefill":
-                runs.append((p, phost))
-            else:  # the decode steps that ran entirely next to the prefill
-                step = float(np.median(ends[inside] - starts[inside])) if inside.any() else float("nan")
-                runs.append((_Steps(d, step, int(inside.sum())), dhost))
-        batch = pbatch if pt.lane == "prefill" else dbatch
+            self.ex.capture_prefill_for(self._batch(pre_pt.shape, "prefill", pre_pt.sms, pchunks))
+            self._release(pchunks)
+        pending: dict[str, tuple[Batch, float, bool]] = {}  # lane -> batch, host s, timed
+        timed: list[tuple[StepResult, float]] = []  # the timed prefills and their host times
+        decodes: list[StepResult] = []
+        dec_host: list[float] = []  # host s of each decode launch
+        t_timed = time.perf_counter() + (self.sustain_s if self.ex.cuda else 0.0)
+        pre_t = self.solo.get(Point(pre_pt.shape, "prefill", pre_pt.sms).id, 0.05)
+        warm, deadline = False, None  # warm: one prefill ran (graphs, attention plans)
+        while True:
+            timing = warm and time.perf_counter() >= t_timed
+            if timing and deadline is None:  # a prefill much shorter than a step may never cover one
+                deadline = time.perf_counter() + max(2.0, 20 * (pre_t + (step_t or 0.0)))
+            if len(timed) >= self.reps and (pt.lane == "prefill" or not self.ex.cuda or time.perf_counter() > deadline
+                                            or len(_covered(decodes, timed)[0]) >= self.reps):
+                break
+            if "decode" not in pending:
+                chunks = self._chunks(dec_pt.shape, stretch)
+                b = self._batch(dec_pt.shape, "decode", dec_pt.sms, chunks, stretch)
+                pending["decode"] = (b, self._launch(b), timing)
+            if "prefill" not in pending:
+                b = self._batch(pre_pt.shape, "prefill", pre_pt.sms, self._chunks(pre_pt.shape, 1))
+                pending["prefill"] = (b, self._launch(b), timing)
+            for res in self.ex.wait(None):
+                b, host, is_timed = pending.pop(res.batch.lane)
+                self._release(list(b.chunks))
+                if res.batch.lane == "prefill":
+                    if is_timed:
+                        timed.append((res, host))
+                    warm = True
+                    continue
+                if step_t is None and not decodes:  # no solo step time: size the stretches from this one
+                    step_t = float(np.median(np.diff([res.start, *res.step_ends])))
+                    stretch = self._stretch(stretch, step_t)
+                decodes.append(res)
+                dec_host.append(host)
+        while pending:  # let the launches in flight end
+            for res in self.ex.wait(None):
+                b, host, _ = pending.pop(res.batch.lane)
+                self._release(list(b.chunks))
+                if res.batch.lane == "decode":
+                    decodes.append(res)
+                    dec_host.append(host)
+        if pt.lane == "prefill":
+            batch = timed[0][0].batch
+            runs = timed
+            cover = [_cover(p.start, p.end, [(d.start, d.end) for d in decodes]) for p, _ in timed]
+        else:  # a decode point: the steps the timed prefills covered; none (on the CPU, lanes take turns; on
+            # the GPU, a prefill much shorter than a step): the solo step, overlap 0 (the fit skips it)
+            steps, cover = _covered(decodes, timed)
+            batch = decodes[-1].batch
+            step = float(np.median(steps)) if steps else float("nan")
+            runs = [(_Steps(decodes[-1], step, len(steps)), float(np.median(dec_host)))]
         row = self._row(pt, batch, runs)
-        row["overlap"] = float(np.median(overlaps))
-        if np.isnan(row["step_s"]):  # no decode step ran mostly next to the prefill (on the CPU, lanes take
-            # turns; on the GPU, a prefill shorter than half a step): a solo step over the stretch, overlap 0
-            row["step_s"], row["overlap"], row["steps"] = row["gpu_s"] / max(1, steps), 0.0, steps
+        row["overlap"] = float(np.median(cover)) if cover else 0.0
+        if pt.lane == "decode":  # steps: of each stretch (the fit takes the KV at its middle); reps: steps timed
+            row.update(steps=stretch, reps=len(steps) or len(timed))
+            if not steps:
+                row["step_s"] = step_t if step_t is not None else float("nan")
         return row
+
+    @staticmethod
+    def _stretch(steps: int, step_s: float) -> int:
+        """Fused steps of a co-run's decode launches: the point's, or enough to outlast an eager prefill's host
+        part (~15-25 ms on the H200) so the decode lane does not idle while the prefill is enqueued."""
+        return int(min(512, max(steps, np.ceil(0.04 / max(step_s, 1e-6)))))
 
     def _row(self, pt: Point, batch: Batch, runs: list) -> dict:
         L = self.spec.num_layers
@@ -440,6 +480,28 @@ class _Steps:
         return self.res.step_ends
 
 
+def _cover(start: float, end: float, windows: list[tuple[float, float]]) -> float:
+    """The fraction of [start, end] inside the union of ``windows`` (disjoint: one lane's launches)."""
+    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+    return min(1.0, inside / max(end - start, 1e-12))
+
+
+def _covered(decodes: list[StepResult], prefills: list[tuple[StepResult, float]],
+             at_least: float = 0.8) -> tuple[list[float], list[float]]:
+    """The decode steps (durations) that ran at least ``at_least`` next to the timed prefills, and their
+    coverage; back-to-back prefills leave host gaps between them, so a step longer than one prefill counts."""
+    windows = [(p.start, p.end) for p, _ in prefills]
+    steps, cover = [], []
+    for d in decodes:
+        ends = np.asarray(d.step_ends)
+        for s, e in zip(np.concatenate(([d.start], ends[:-1])), ends):
+            c = _cover(float(s), float(e), windows)
+            if c >= at_least:
+                steps.append(float(e - s))
+                cover.append(c)
+    return steps, cover
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 def read_points(path: Path) -> list[dict]:
@@ -470,7 +532,8 @@ def metadata(executor, spec: ModelSpec, weights: str, quick: bool, reps: int, po
             "weights": weights, "grid": "quick" if quick else "full", "reps": reps, "points": points,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(), "bullet": _version(),
-            "commit": _commit(), "device": str(executor.device), "host": platform.node()}
+            "commit": _commit(), "device": str(executor.device), "host": platform.node(),
+            "corun_protocol": dict(CORUN_PROTOCOL)}
     try:
         import triton
 
@@ -532,21 +595,15 @@ def _commit() -> str | None:
         return None
 
 
-def partial_corun(row: dict) -> bool:
-    """A co-run prefill point whose decode stretch did not cover the prefill (``overlap`` under 0.95): the
-    prefill ran partly alone. The profiler sizes stretches from the warm-up run now; points measured before
-    that can be re-measured (``run_profile(redo_partial=True)``, ``bullet profile --redo-partial-coruns``)."""
-    return row["lane"] == "prefill" and bool(row["co_kind"]) and float(row["overlap"] or 0.0) < 0.95
-
-
 def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
-                prefill_graphs: bool = True, redo_partial: bool = False) -> tuple[int, int]:
+                prefill_graphs: bool = True, redo_coruns: bool = False) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measured, skipped).
     ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches that a
     prefill graph can serve replay one (captured before their first run), as in serving; the limits go into
     the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time.
-    ``redo_partial``: measure the :func:`partial_corun` points again (their rows are replaced)."""
+    ``redo_coruns``: measure every co-run point again (their rows are replaced), e.g. after a change of
+    :data:`CORUN_PROTOCOL`; a profile whose co-run points were measured otherwise is not resumed without it."""
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
@@ -555,8 +612,8 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                executor.kv.num_blocks * executor.kv.block_size)
     path = out / "points.csv"
     have = {r["id"]: r for r in read_points(path)}
-    if redo_partial:
-        have = {k: r for k, r in have.items() if not partial_corun(r)}
+    if redo_coruns:
+        have = {k: r for k, r in have.items() if not r["co_kind"]}
     if path.exists():  # rewrite without a torn tail (or the points to redo) before appending
         rows = list(have.values())
         tmp = path.with_name(".points.csv.tmp")
@@ -571,8 +628,12 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     if have and (old := _old_meta(out)) is not None and old.get("prefill_graphs") != meta["prefill_graphs"]:
         raise ValueError(f"{out}: its points were measured with prefill_graphs={old.get('prefill_graphs')}, "
                          f"this run would use {meta['prefill_graphs']}: profile into a new folder")
+    old_protocol = (_old_meta(out) or {}).get("corun_protocol", {"name": "single burst"})
+    if any(r["co_kind"] for r in have.values()) and old_protocol != meta["corun_protocol"]:
+        raise ValueError(f"{out}: its co-run points were measured by the {old_protocol['name']!r} protocol, this "
+                         f"run would use {meta['corun_protocol']}: add --redo-coruns to measure them again")
     _write_json(out / "metadata.json", meta)
-    prof = Profiler(executor, reps, graphs)
+    prof = Profiler(executor, reps, graphs, CORUN_PROTOCOL["sustain_s"])
     for pid, row in have.items():  # co-runs size their stretches from earlier solo points
         prof.solo[pid] = float(row["gpu_s"])
     measured = skipped = 0
