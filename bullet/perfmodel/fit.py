@@ -62,15 +62,34 @@ THRESHOLDS = {"family_mean": 0.03, "launch_mean": 0.05, "launch_p95": 0.10}
 GATED = ("decode step", "decode first", "prefill", "mixed", "co-run prefill", "co-run decode")
 
 
-def default_terms(num_sms: int, knots=KNOTS) -> dict[str, list[tuple[str, str]]]:
+def ramp_bases(sms) -> list[str]:
+    """The ramps (fitted.py ``r<first>_<knot>_<next>``) on the partition sizes ``sms``, one per size."""
+    ks = sorted(set(sms))
+    return [f"r{ks[0]}_{k}_{ks[i + 1] if i + 1 < len(ks) else 0}" for i, k in enumerate(ks)]
+
+
+def default_terms(num_sms: int, knots=KNOTS, eager_sms=()) -> dict[str, list[tuple[str, str]]]:
+    """The terms of every family. ``eager_sms``: the partition sizes (below the whole GPU) that solo prefill or
+    mixed points were measured on; with any, the eager family's quantities take one ramp per size (a
+    non-increasing weight per size, interpolated in 1/n between them), else the ``k<K>`` bases."""
     ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
     dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
     dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
             ("layers", "one"), ("launch", "one")]
-    eager = [(q, b) for q in ("gemm_flops", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens") for b in ks]
-    eager += [("eager_tokens", b) for b in ks]
-    eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
-              ("samples", "one"), ("layers", "one"), ("launch", "one")]
+    hs = ramp_bases(s for s in eager_sms if s < num_sms)
+    if hs:
+        # gemm_flops is tokens times a constant: one of the two is enough with a weight per size.
+        # Attention keeps the k<K> bases: its FLOPs scale as 1/n (per-size weights did no better held out)
+        eager = [(q, b) for q in ("weights", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens")
+                 for b in [*hs, "full"]]
+        eager += [("attn", b) for b in [*ks, "full"]]
+        eager += [("gemm_waves", "one"), ("samples", "one"), ("layers", "one"), ("launch", "one")]
+    else:
+        eager = [(q, b) for q in ("gemm_flops", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens")
+                 for b in ks]
+        eager += [("eager_tokens", b) for b in ks]
+        eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
+                  ("samples", "one"), ("layers", "one"), ("launch", "one")]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
             "co_eager": [(q, "one") for q in CO_Q], "co_decode": [(q, "one") for q in CO_Q]}
@@ -267,7 +286,8 @@ def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
 
 def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None) -> dict:
     """Fit every family on ``rows`` (of ``prof``); returns the model dict (no errors yet)."""
-    terms = terms or default_terms(prof.num_sms)
+    if terms is None:  # the eager family's ramps sit on the partition sizes these rows measured
+        terms = default_terms(prof.num_sms, eager_sms={r["sms"] for r in rows if is_solo(r) and not is_decode(r)})
     kernels = {**DEFAULT_KERNELS, **(kernels or {})}
     q = Quantities(prof.spec, prof.num_sms, kernels)
     coef: dict[str, np.ndarray] = {}
