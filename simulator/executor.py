@@ -93,7 +93,7 @@ class SimExecutor:
         """(Re)compute ``f``'s end next to ``co`` (on ``co_sms`` SMs; None: alone) from ``now`` on."""
         if f.steps > 1:
             cum = step_ends(self.latency, f.work, f.steps, f.sms, co, co_sms)
-            duration = float(cum[-1])
+            duration = cum.item(-1)
             if f.cum is None:
                 f.cum = cum
         else:

@@ -494,7 +494,7 @@ class SimTimed:
         self.sim.launch(batch)
 
     def wait(self, until):
-        return [dataclasses.replace(r, tokens=self.tokens.pop(r.batch.lane)) for r in self.sim.wait(until)]
+        return [r._replace(tokens=self.tokens.pop(r.batch.lane)) for r in self.sim.wait(until)]
 
 
 def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch):

@@ -29,6 +29,11 @@ class Work(NamedTuple):
     max_kv: int = 0  # the longest chunk's KV (start + num_tokens): skewed decode batches wait on it; 0 = unknown
 
 
+# ``new_work(Work, (all eight fields))`` is ``Work(...)`` without its generated ``__new__`` (half the cost; the
+# hot paths make a Work per launch, and bullet's a few more per decision)
+new_work = tuple.__new__
+
+
 def work_of(batch: Batch, total_layers: int) -> Work:
     chunks = batch.chunks
     seqs = len(chunks)
@@ -42,8 +47,8 @@ def work_of(batch: Batch, total_layers: int) -> Work:
         pairs = float(sum(n * s + n * (n + 1) / 2 for s, n in zip(starts, lens)))
         max_kv = max(map(add, starts, lens))
     last = batch.layers.stop == total_layers
-    return Work(len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0, batch.layers.start == 0,
-                max_kv)
+    return new_work(Work, (len(batch.layers), tokens, seqs, pairs, kv, sum(sample) if last else 0,
+                           batch.layers.start == 0, max_kv))
 
 
 def check_sms(num_sms, total: int):
@@ -107,7 +112,7 @@ def decode_tail(first: Work) -> Work:
     the token it sampled."""
     n = first.seqs
     kv = first.kv_read + n
-    return Work(first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1)
+    return new_work(Work, (first.num_layers, n, n, float(kv), kv, n, True, first.max_kv + 1))
 
 
 def batch_work(latency: LatencyModel, batch: Batch, total_layers: int) -> Work:

@@ -18,7 +18,7 @@ from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..metrics import TokenGaps
 from ..perfmodel import LatencyModel, Work
-from ..perfmodel.base import note_work, step_ends
+from ..perfmodel.base import new_work, note_work, step_ends
 from ..request import Request
 
 
@@ -288,7 +288,7 @@ class Scheduler:
         else:  # integers summed exactly, as work_of() sums them in floats
             pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
                                for c in chunks]))
-        work = Work(self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends))  # == work_of()
+        work = new_work(Work, (self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends)))  # == work_of()
         if extra > 0 and horizon is not None:
             extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
         if extra > 0:
@@ -359,7 +359,7 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------------
     def on_result(self, res: StepResult) -> list[Request]:
         """Apply a finished launch; returns the requests it finished."""
-        batch, reqs = self.inflight.pop(res.batch.lane)
+        batch, reqs = self.inflight.pop(res.batch.partition.lane)
         if batch.layers.stop != self.model.num_layers:
             self._slice_done(batch, reqs)
             return []
@@ -500,6 +500,6 @@ class LayerSliced(Scheduler):
 
     def on_result(self, res: StepResult) -> list[Request]:
         done = super().on_result(res)
-        if res.batch.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
+        if res.batch.partition.lane == "prefill" and res.batch.layers.stop == self.model.num_layers:
             self.job = None
         return done

@@ -50,7 +50,7 @@ import numpy as np
 from ..batch import Batch, Chunk, Lane, Partition, StepResult
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
-from ..perfmodel.base import batch_work, note_work, step_times
+from ..perfmodel.base import batch_work, new_work, note_work, step_times
 from ..request import Request
 from .base import LayerSliced, SchedulingError
 
@@ -146,7 +146,7 @@ class DecodeArrays:
             comp, left = self.comp[:self.size][dec], self.left[:self.size][dec]
             n = len(comp)
             kv = int(comp.sum()) + n
-            work = Work(num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0)
+            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
             timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
             kept = self._kept = (work, left[timed], self.a0[:self.size][dec][timed], self.t1[:self.size][dec][timed])
         work, left, a0, t1 = kept
@@ -321,8 +321,8 @@ class Bullet(LayerSliced):
         if self._job_sums is None or self._job_sums[0] is not chunks:
             self._job_sums = (chunks, work_of(Batch(self.whole_gpu, self.all_layers, chunks), L))
         w = self._job_sums[1]  # all layers: every sample counted, the embedding included
-        return Work(len(layers), w.tokens, w.seqs, w.attn_pairs, w.kv_read, w.samples if layers.stop == L else 0,
-                    layers.start == 0, w.max_kv)
+        return new_work(Work, (len(layers), w.tokens, w.seqs, w.attn_pairs, w.kv_read,
+                               w.samples if layers.stop == L else 0, layers.start == 0, w.max_kv))
 
     def _prefill_want(self, now: float, work: Work, view: DecodeView) -> int:
         """The prefill size for the next slice (``work``), next to the decoding requests (``view``). When the
@@ -396,7 +396,7 @@ class Bullet(LayerSliced):
         if arrays is None:
             self._decode_slots = None
             return super().on_result(res)
-        batch, reqs = self.inflight[res.batch.lane]
+        batch, reqs = self.inflight[res.batch.partition.lane]
         done = super().on_result(res)
         if batch.layers.stop == self.model.num_layers:
             pending = self._decode_slots
@@ -405,7 +405,7 @@ class Bullet(LayerSliced):
             else:  # a prefill job's first tokens (or a launch from before the arrays were made)
                 for r in reqs:
                     arrays.sync(r)
-        if res.batch.lane == "decode":
+        if res.batch.partition.lane == "decode":
             self._decode_slots = None
         return done
 
@@ -462,7 +462,7 @@ class Bullet(LayerSliced):
                     loan = x
         if not lend:
             loan = best
-        return DecodeView(Work(self.model.num_layers, n, n, float(kv), kv, n, True, max_kv), best, loan)
+        return DecodeView(new_work(Work, (self.model.num_layers, n, n, float(kv), kv, n, True, max_kv)), best, loan)
 
     def _decode_arrays(self) -> DecodeArrays | None:
         """The running requests' :class:`DecodeArrays`, made when ARRAYS_FROM of them run and dropped at
