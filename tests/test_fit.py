@@ -50,8 +50,8 @@ TRUE = {
               (("prefix_attn", "k96"), 9e-3), (("weights", "k32"), 0.02), (("weights", "part"), 0.01),
               (("eager_tokens", "k64"), 0.4), (("layers", "one"), 0.1)],
     "host": [(("layers", "one"), 0.3), (("tokens", "one"), 0.5), (("launch", "one"), 1.0)],
-    "co_eager": [(("co_bw", "one"), 0.05), (("co_sm_share", "one"), 0.2)],
-    "co_decode": [(("co_bw", "one"), 0.02), (("co_sm_share", "one"), 0.3)],
+    "co_eager": [(("co_bw", "one"), 0.05), (("co_sm_share", "one"), 0.2), (("own_bw_co_bw", "one"), 0.03)],
+    "co_decode": [(("co_bw", "one"), 0.02), (("co_sm_share", "one"), 0.3), (("sm_bw_co_sm", "one"), 0.05)],
 }
 TERMS = {fam: [t for t, _ in v] for fam, v in TRUE.items()}
 
@@ -89,8 +89,9 @@ def synthetic_profile(folder: Path) -> Path:
             raw.update(first_s=first, step_s=step, gpu_s=first + (steps - 1) * step)
         else:
             gpu = fm.gpu_time(w, n)
-            if r["co_kind"]:
-                gpu *= 1 + fm._slowdown("co_eager", n, co_work_of_row(r), r["co_sms"], False)
+            if r["co_kind"]:  # the slowed prefill's own HBM demand: its bytes over its stand-alone time
+                own = fm.q.bytes_of(w) / gpu * 1e-12
+                gpu *= 1 + fm._slowdown("co_eager", n, co_work_of_row(r), r["co_sms"], False, own)
                 raw["overlap"] = 1.0
             host = fm.host_time(w) or gpu / 20  # a graph replay's host time: small, and not fitted
             raw.update(gpu_s=gpu, first_s=gpu, step_s=gpu, host_s=min(host, gpu / 2))
@@ -225,12 +226,14 @@ def test_eager_ramps_sit_on_the_measured_partition_sizes(real):
 
 
 def test_other_model_versions(real_model):
-    """Version 1 files (k<K> bases only) still load; an unknown version asks for a refit."""
+    """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
+    for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 2
+    assert data["version"] == 3
     FittedModel(truth_model().data)  # version 1
-    with pytest.raises(ConfigError, match=r"version 3, this bullet reads versions 1, 2: refit it"):
-        FittedModel({**data, "version": 3})
+    FittedModel(json.loads((ROOT / "profiles/h200/qwen3-8b/model.json").read_text()))  # version 2 (shipped)
+    with pytest.raises(ConfigError, match=r"version 4, this bullet reads versions 1, 2, 3: refit it"):
+        FittedModel({**data, "version": 4})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol

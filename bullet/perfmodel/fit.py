@@ -27,7 +27,8 @@ import numpy as np
 from ..config import ConfigError, ModelSpec
 from .base import Work
 from .fitted import (
-    CO_Q,
+    CO_DECODE_Q,
+    CO_EAGER_Q,
     DEFAULT_KERNELS,
     FAMILIES,
     FORMAT,
@@ -92,7 +93,7 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=()) -> dict[str, list[tup
                   ("samples", "one"), ("layers", "one"), ("launch", "one")]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
-            "co_eager": [(q, "one") for q in CO_Q], "co_decode": [(q, "one") for q in CO_Q]}
+            "co_eager": [(q, "one") for q in CO_EAGER_Q], "co_decode": [(q, "one") for q in CO_DECODE_Q]}
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -328,12 +329,14 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
                 alone = float(fm.decode_steps(w, 2, n)[1])
                 ratio = r["step_s"] / alone
             else:
-                alone = fm.gpu_time(work_of_row(r), n)
+                w = work_of_row(r)
+                alone = fm.gpu_time(w, n)
                 t, o = r["gpu_s"], min(1.0, max(r["overlap"], 0.0))
                 if o <= 0.0 or alone <= (1.0 - o) * t:
                     continue  # no overlap, or not measurable from this point
                 ratio = o * t / (alone - (1.0 - o) * t) if o < 1.0 else t / alone
-            items.append((fm.co_features(n, co, co_sms, False), 0))
+            own = fm.own_bw(work_of_row(r), alone) if kind == "prefill" else 0.0
+            items.append((fm.co_features(n, co, co_sms, False, own), 0))
             y.append(ratio - 1.0)
         X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
         coef[family] = _nnls(X, np.asarray(y), relative=False) if y else np.zeros(len(terms[family]))
@@ -382,7 +385,7 @@ def predictions(fm: FittedModel, r: dict) -> dict[str, tuple[float, float]]:
         out["launch"] = (t, r["step_s"])
     else:
         alone = fm.gpu_time(w, n)
-        t_co = alone * (1.0 + fm._slowdown("co_eager", n, co, co_sms, False))
+        t_co = alone * (1.0 + fm._slowdown("co_eager", n, co, co_sms, False, fm.own_bw(w, alone) if fm._own else 0.0))
         o = min(1.0, max(r["overlap"], 0.0))
         t = alone / (1.0 - o + o * alone / t_co)  # co-run for the overlap, alone after it
         host = fm.host_time(w)

@@ -32,7 +32,8 @@ Families (what is fitted to what in ``points.csv``; ``bullet/perfmodel/fit.py``)
   calls);
 * ``co_eager`` / ``co_decode``: the slowdown of an eager launch / a decode step while the other lane runs:
   ``t = t_alone * (1 + s)``, ``s`` a non-negative combination of the co-runner's HBM demand (its bytes over
-  its own stand-alone time) and SM share.
+  its own stand-alone time) and SM share, and of the slowed lane's own streaming (:data:`CO_EAGER_Q`,
+  :data:`CO_DECODE_Q`).
 
 How ``predict`` combines them:
 
@@ -74,8 +75,9 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 2  # 2: the ``r<first>_<knot>_<next>`` SM basis; version 1 files (no such basis) read unchanged
-READS = (1, 2)
+FORMAT_VERSION = 3  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+# CO_DECODE_Q); older files (neither) read unchanged
+READS = (1, 2, 3)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -102,6 +104,15 @@ EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix
            "samples", "layers", "launch")
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
 CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
+# The slowed lane's side of contention, measured on the H200's continuous co-run points (bench/RESULTS.md, eleventh
+# session): a prefill that streams more bytes a second (a short, memory-bound prompt) loses more to the co-runner's
+# HBM demand (``own_bw_co_bw``: its own stand-alone demand x the co-runner's), and a decode step loses more to the
+# co-runner's SMs the more its own partition streams (``sm_bw_co_sm``: what a reference decode step, 64 rows at
+# context 1024, pulls on that many SMs x the co-runner's SM share). Leave-one-out over the 28 + 28 points: co-run
+# prefill 5.9 -> 4.8 %, co-run decode 5.2 -> 4.4 %.
+CO_EAGER_Q = CO_Q + ("own_bw_co_bw",)
+CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
+SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
 
 
 class ModelMismatch(ConfigError):
@@ -387,7 +398,10 @@ class FittedModel:
         self._demand: dict[tuple, Any] = {}
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
-        self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs) -> slowdown (scalar path)
+        self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
+        self._sm_bw_table: list[float] | None = None
+        self._own = any(c for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef)
+                        if q == "own_bw_co_bw")  # (older models: no such term, no division to make)
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
         self._share: dict[tuple, tuple[int, int]] = {}  # shared_sms by (SMs, co-runner's SMs, their tokens)
@@ -452,7 +466,8 @@ class FittedModel:
         else:
             t = self._eager_alone(work, n)
         if co is not None and (np.any(co_sms) if arr else co_sms):
-            t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr))
+            own = self.own_bw(work, t) if self._own else 0.0
+            t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own))
         if self.host:
             h = self.host_time(work)
             t = np.maximum(t, h) if arr else max(t, h)
@@ -607,34 +622,53 @@ class FittedModel:
             t = self._eager[key] = self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
         return t
 
-    def co_features(self, n, co: Work, co_sms, arr: bool) -> dict:
-        """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``."""
-        N = self.num_sms
+    def co_features(self, n, co: Work, co_sms, arr: bool, own=0.0) -> dict:
+        """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``; ``own``: the lane's
+        own stand-alone HBM demand (TB/s; :data:`CO_EAGER_Q`)."""
+        N, sm_bw = self.num_sms, self._sm_bw()
         if arr or isinstance(co_sms, np.ndarray):
             csm = np.broadcast_to(np.asarray(co_sms, dtype=np.intp), np.shape(n))
             on = csm > 0  # no co-runner where it has no SMs: no slowdown
             u = np.where(on, self.q.bytes_of(co) / self._co_alone_array(co, np.maximum(csm, 1)) * 1e-12, 0.0)
-            return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N}
+            return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N, "own_bw_co_bw": own * u,
+                    "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N)}
         key = (co, co_sms)
         u = self._demand.get(key)
         if u is None:
             if len(self._demand) >= 8192:
                 self._demand.clear()
             u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
-        return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N}
+        return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
+                "sm_bw_co_sm": sm_bw[n] * (co_sms / N)}
+
+    def _sm_bw(self) -> list[float]:
+        """TB/s a reference decode step (:data:`SM_BW_REF`) pulls on each SM count (index), from the model's
+        own ``decode_first`` family; made once."""
+        if self._sm_bw_table is None:
+            rows, ctx = SM_BW_REF
+            ref = Work(self.spec.num_layers, rows, rows, float(rows * ctx), rows * ctx, rows, True, ctx)
+            b = self.q.bytes_of(ref) * 1e-12
+            self._sm_bw_table = [0.0] + [b / t if (t := self._decode_step("decode_first", ref, n)) > 0 else 0.0
+                                         for n in range(1, self.num_sms + 1)]
+        return self._sm_bw_table
+
+    def own_bw(self, work: Work, alone):
+        """``work``'s stand-alone HBM demand, TB/s, given its stand-alone time(s) ``alone``."""
+        return self.q.bytes_of(work) / alone * 1e-12
 
     def _co_alone_array(self, co: Work, csm: np.ndarray) -> np.ndarray:
         if co.tokens == co.seqs:
             return self.f["decode_first"].array(self.q.decode(co, csm), csm)
         return self.f["eager"].array(self.q.eager(self.padded(co), csm, self.graphed(co)), csm)
 
-    def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool):
+    def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool, own=0.0):
         if arr:
-            return self.f[family].array(self.co_features(n, co, co_sms, arr), np.zeros(np.shape(n), dtype=np.intp))
-        key = (family, n, co, co_sms, type(co_sms))  # the type too: an int and a numpy int give other types
+            return self.f[family].array(self.co_features(n, co, co_sms, arr, own),
+                                        np.zeros(np.shape(n), dtype=np.intp))
+        key = (family, n, co, co_sms, type(co_sms), own)  # the type too: an int and a numpy int give other types
         s = self._slow.get(key)
         if s is None:  # memoised: the same co-runner is asked about step after step
             if len(self._slow) >= 65536:
                 self._slow.clear()
-            s = self._slow[key] = self.f[family].scalar(self.co_features(n, co, co_sms, arr), 0)
+            s = self._slow[key] = self.f[family].scalar(self.co_features(n, co, co_sms, arr, own), 0)
         return s
