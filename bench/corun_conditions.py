@@ -7,8 +7,9 @@ One prefill (``--prompt`` fresh tokens, all layers) on ``--prefill-sms`` SMs, ti
 the SM clock and power (NVML) read before each timed prefill:
 
 - ``alone``: on its partition, the other lane idle (the profile's solo protocol);
-- ``profiler``: `bullet profile`'s own co-run measurement of this shape (a decode stretch sized to outlast the
-  prefill, both enqueued at once, a few repetitions);
+- ``profiler``: `bullet profile`'s own co-run measurement of this shape (its ``CORUN_PROTOCOL``: since the
+  eleventh session both lanes relaunched without a pause for 2 s before the timed runs; before it, one decode
+  stretch sized to outlast the prefill, both enqueued at once, which measured 3-5 % short: bench/RESULTS.md);
 - ``co-run``: as static-split serves: the decode lane relaunches fused stretches of ``--decode-steps`` steps of
   ``--rows`` rows at ``--context`` on the other SMs without a pause, the prefill is relaunched back to back;
 - ``co-run sustained``: the same after ``--sustain-s`` seconds of it (the GPU at its power cap).
