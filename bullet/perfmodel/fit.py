@@ -335,7 +335,7 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
                 if o <= 0.0 or alone <= (1.0 - o) * t:
                     continue  # no overlap, or not measurable from this point
                 ratio = o * t / (alone - (1.0 - o) * t) if o < 1.0 else t / alone
-            own = fm.own_bw(work_of_row(r), alone) if kind == "prefill" else 0.0
+            own = fm.own_bw(w, alone) if kind == "prefill" else 0.0  # the slowed prefill's own HBM demand
             items.append((fm.co_features(n, co, co_sms, False, own), 0))
             y.append(ratio - 1.0)
         X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
