@@ -502,7 +502,9 @@ def profile(
     quick: Annotated[bool, typer.Option("--quick/--full", help="Quick grid (every other partition size, fewer "
                                                                "lengths, 24 random launches, 32 random chunked "
                                                                "steps, 20 random co-run pairs: 408 points for "
-                                                               "Llama-3.1-8B on an H200; 352 took about 4 min) "
+                                                               "Llama-3.1-8B on an H200; 352 took about 4 min, "
+                                                               "and its 56 co-run points alone 165 s, each "
+                                                               "after 2 s of sustained co-running) "
                                                                "or the full grid (about 1,540 points).")]
     = True,
     reps: Annotated[int, typer.Option(min=1, help="Timed runs per point (after one warm-up run); the median "
