@@ -604,6 +604,15 @@ def fit(
     except ImportError as e:
         raise fail(f"bullet fit needs scikit-learn ({e}): pip install -e '.[fit]'") from None
     print_fit_table(model, console)
+    from .gpu.profile import CORUN_PROTOCOL
+
+    protocol = model["profile"]["metadata"].get("corun_protocol", {"name": "single burst"})
+    if protocol.get("name") != CORUN_PROTOCOL["name"] and \
+            any(model["families"][f]["points"] for f in ("co_eager", "co_decode")):
+        console.print(f"[yellow]note[/yellow]: the co-run points were measured by the {protocol.get('name')!r} "
+                      f"protocol, not the current {CORUN_PROTOCOL['name']!r} one (on the H200 a single burst "
+                      "measured co-runs 3-5 % faster than serving runs them): re-measure them with bullet "
+                      "profile --redo-coruns", highlight=False)
     problems = model["errors"]["failures"]
     out = out or profile_dir / "model.json"
     if problems and not force:

@@ -435,6 +435,19 @@ def test_fit_command_writes_only_within_thresholds_or_forced(tmp_path):
     assert model["profile"]["points"] == rows and model["errors"]["held_out"]["launch"]["loso"]["n"] > 0
 
 
+def test_fit_command_notes_co_runs_of_an_older_protocol(tmp_path):
+    """The shipped Llama profile's co-run points were measured by the current protocol: no note. The same points
+    under metadata without a protocol (profiles from before it was recorded) get a note naming the flag."""
+    folder = copy_profile(tmp_path)
+    res = runner.invoke(app, ["fit", str(folder), "--out", str(tmp_path / "a.json"), "--force"])
+    assert res.exit_code == 0 and "--redo-coruns" not in res.output, res.output
+    meta = json.loads((folder / "metadata.json").read_text())
+    del meta["corun_protocol"]
+    (folder / "metadata.json").write_text(json.dumps(meta))
+    res = runner.invoke(app, ["fit", str(folder), "--out", str(tmp_path / "b.json"), "--force"])
+    assert res.exit_code == 0 and "'single burst'" in res.output and "--redo-coruns" in res.output, res.output
+
+
 def test_fit_command_bad_profile_exits_2(tmp_path):
     res = runner.invoke(app, ["fit", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a profile folder" in res.output and "Traceback" not in res.output
