@@ -128,3 +128,22 @@ def test_a_profile_of_another_corun_protocol_is_resumed_only_with_redo_coruns(tm
     assert sorted(r["id"] for r in after) == sorted(r["id"] for r in rows)
     assert [r["id"] for r in after[-len(co):]] == [r["id"] for r in rows if r["id"] in co]  # appended again
     assert json.loads((out / "metadata.json").read_text())["corun_protocol"]["name"] == "continuous"
+
+
+def test_co_run_coverage_by_hand():
+    """The fraction of a step (or prefill) inside the other lane's launches, and which decode steps the timed
+    prefills covered: windows and steps chosen so each answer is a hand sum."""
+    from bullet.batch import StepResult
+    from bullet.gpu.profile import _cover, _covered
+
+    # [0, 10] inside windows [2, 4] and [6, 12]: 2 + 4 = 6 of 10
+    assert _cover(0.0, 10.0, [(2.0, 4.0), (6.0, 12.0)]) == pytest.approx(0.6)
+    assert _cover(5.0, 6.0, [(2.0, 4.0)]) == 0.0
+    assert _cover(3.0, 3.5, [(0.0, 9.0)]) == 1.0
+    # a decode launch from 0 with steps ending at 1, 2, 3, 4; timed prefills over [0.95, 2.9] and [2.95, 3.5]
+    res = StepResult(None, 0.0, 4.0, [1.0, 2.0, 3.0, 4.0], None)
+    prefills = [(StepResult(None, 0.95, 2.9, [2.9], None), 0.0), (StepResult(None, 2.95, 3.5, [3.5], None), 0.0)]
+    steps, cover = _covered([res], prefills)
+    # step [0, 1]: 0.05 covered; [1, 2]: all; [2, 3]: 0.9 + 0.05 = 0.95; [3, 4]: 0.5 -> the middle two count
+    assert steps == pytest.approx([1.0, 1.0]) and cover == pytest.approx([1.0, 0.95])
+    assert _covered([res], prefills, at_least=0.96)[0] == pytest.approx([1.0])
