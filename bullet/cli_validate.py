@@ -67,7 +67,8 @@ def validate(
              "before serving; small launches then replay them instead of ~300 eager kernel launches.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(help="Folder for report.json, cdf.png and launches.csv (every "
-                                                   "real launch: its work, measured and predicted ms).")]
+                                                   "real launch: its work, the fraction the other lane "
+                                                   "overlapped, measured and predicted ms).")]
     = None,
 ) -> None:
     """Serve the same requests on the real executor and in the simulator (same arrivals, policy code and

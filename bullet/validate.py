@@ -20,7 +20,7 @@ from .config import CacheConfig, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from .engine import serve
 from .kvcache import BlockManager
 from .metrics import request_columns, summarize
-from .perfmodel import LatencyModel, work_of
+from .perfmodel import LatencyModel, Work, work_of
 from .perfmodel.base import CachedLatency, step_times
 from .policies import make_scheduler
 from .request import Request
@@ -73,22 +73,28 @@ def compare(real: dict, sim: dict) -> list[dict]:
 
 def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int,
                   rows: list[dict] | None = None) -> list[dict]:
-    """Per launch kind: the latency model's prediction for each real launch (next to the other lane's launch
-    that overlapped it most) against its measured duration. ``rows``, if given, gets one dict per launch."""
+    """Per launch kind: the latency model's prediction for each real launch against its measured duration. A
+    launch the other lane overlapped for a fraction ``o`` of its time is predicted as the fitted model reads a
+    co-run point: next to the other lane's launch that overlapped it most for that fraction and alone for the
+    rest (``alone / (1 - o + o * alone / co_run)``), so a decode stretch that a prefill joined near its end is
+    not taken for a whole co-run. ``rows``, if given, gets one dict per launch (``overlap`` = ``o``)."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for i, res in enumerate(results):
         b = res.batch
         w = work_of(b, num_layers)
-        co, co_sms, best = None, 0, 0.0
+        co, co_sms, best, covered = None, 0, 0.0, 0.0
         for other in results[max(0, i - 8):i + 8]:
             if other.batch.lane == b.lane:
                 continue
             overlap = min(res.end, other.end) - max(res.start, other.start)
+            covered += max(0.0, overlap)  # (one lane's launches do not overlap each other)
             if overlap > best:
                 co, co_sms, best = work_of(other.batch, num_layers), other.batch.partition.num_sms, overlap
         sms = b.partition.num_sms
-        pred = float(step_times(latency, w, b.steps, sms, co, co_sms).sum()) if b.layers.stop == num_layers \
-            else float(latency.predict(w, sms, co, co_sms))
+        o = min(1.0, covered / max(res.end - res.start, 1e-12))
+        pred = alone = _predicted(latency, b, w, num_layers, None, 0)
+        if co is not None:
+            pred = alone / (1.0 - o + o * alone / _predicted(latency, b, w, num_layers, co, co_sms))
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
         kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
         kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))
@@ -96,8 +102,8 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
             rows.append({"start_s": res.start, "kind": f"{b.lane}/{kind}", "sms": sms, "layers": w.num_layers,
                          "tokens": w.tokens, "seqs": w.seqs, "attn_pairs": w.attn_pairs, "kv_read": w.kv_read,
                          "max_kv": w.max_kv, "samples": w.samples, "steps": b.steps, "co_sms": co_sms,
-                         "co_tokens": co.tokens if co else 0, "measured_ms": (res.end - res.start) * 1e3,
-                         "predicted_ms": pred * 1e3})
+                         "co_tokens": co.tokens if co else 0, "overlap": round(o, 4),
+                         "measured_ms": (res.end - res.start) * 1e3, "predicted_ms": pred * 1e3})
     out = []
     for kind, pairs in sorted(kinds.items()):
         m = np.array([p[0] for p in pairs])
@@ -106,6 +112,14 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
                     "error_pct_p10": float(np.percentile(e, 10)), "error_pct_p50": float(np.median(e)),
                     "error_pct_p90": float(np.percentile(e, 90))})
     return out
+
+
+def _predicted(latency: LatencyModel, b, w: Work, num_layers: int, co: Work | None, co_sms: int) -> float:
+    """Seconds the model gives launch ``b`` (its work ``w``) next to ``co`` on ``co_sms`` SMs (None: alone)."""
+    sms = b.partition.num_sms
+    if b.layers.stop == num_layers:
+        return float(step_times(latency, w, b.steps, sms, co, co_sms).sum())
+    return float(latency.predict(w, sms, co, co_sms))
 
 
 def validate(make_requests: Callable[[], list[Request]], executor, model: ModelSpec, gpu: GpuSpec,
@@ -165,7 +179,8 @@ def simulated_capacity(requests_at: Callable[[float], list[Request]], model: Mod
 
 
 def write_launches(rep: Report, path) -> None:
-    """Every real launch as a CSV row: its work, measured and predicted ms."""
+    """Every real launch as a CSV row: its work, the fraction of it the other lane overlapped, measured and
+    predicted ms."""
     import csv
 
     with open(path, "w", newline="") as f:

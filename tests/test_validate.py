@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -146,3 +147,30 @@ def test_validate_load_scales_rates_by_the_simulated_capacity(tmp_path):
                      (["--load", "0.5", "--slo-ttft", "3000"], "every request at once")):
         res = runner.invoke(app, [*args, *bad])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (bad, res.output)
+
+
+def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
+    """A one-step decode launch over [0, 1.5] s that a prefill overlapped for [0.75, 1.5]: o = 0.5. With 1 s alone
+    and 2 s next to a prefill, progress is 0.5 T / 1 + 0.5 T / 2 = 1, so T = 4/3 s (by hand); the prefill
+    ([0.75, 3], overlapped 0.75 of its 2.25 s: o = 1/3, 3 s alone and 4.5 s beside decode) 1 / (2/3 / 3 + 1/3 /
+    4.5) = 3.375 s."""
+    from bullet.batch import Batch, Chunk, Partition, StepResult
+    from bullet.validate import launch_errors
+
+    class Fake:
+        def predict(self, w, n, co=None, co_sms=0):
+            base = 1.0 if w.tokens == w.seqs else 3.0
+            return base * (1.0 if co is None else 1.5 if w.tokens > w.seqs else 2.0)
+
+        def decode_steps(self, w, steps, n, co=None, co_sms=0):
+            return np.full(steps, self.predict(w, n, co, co_sms))
+
+    L = SPEC.num_layers
+    dec = Batch(Partition("decode", 40), range(L), (Chunk(1, 99, 1, (0,), True),))
+    pre = Batch(Partition("prefill", 92), range(L), (Chunk(2, 0, 64, (1, 2, 3, 4), True),))
+    results = [StepResult(dec, 0.0, 1.5, [1.5], None), StepResult(pre, 0.75, 3.0, [3.0], None)]
+    rows: list[dict] = []
+    launch_errors(results, Fake(), L, rows)
+    assert rows[0]["overlap"] == 0.5 and rows[0]["predicted_ms"] == pytest.approx(4000 / 3)
+    assert rows[1]["overlap"] == pytest.approx(1 / 3, abs=1e-4)
+    assert rows[1]["predicted_ms"] == pytest.approx(1e3 / ((2 / 3) / 3 + (1 / 3) / 4.5))
