@@ -151,22 +151,7 @@ class Engine:
         sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
         now = ex.now()
         self.stalled = False
-        if horizon is not _AT_UNTIL:
-            plan_to = horizon
-        else:
-            plan_to = until if self.live_window is None else self._horizon(now)
-        for lane in lanes:
-            if not ex.busy(lane):
-                batch = sched.schedule(lane, now, plan_to)
-                if batch is not None:
-                    ex.launch(batch)
-                    if self.on_launch is not None:
-                        self.on_launch(batch)
-        if sched.rejected:  # admission control turned these away (Request.error says why)
-            for req in sched.rejected:
-                self.held.pop(req.id, None)
-                self._end(req, "error")
-            sched.rejected.clear()
+        if not self._plan(now, until if horizon is _AT_UNTIL else horizon, horizon is _AT_UNTIL):
             return self.flush()  # plan again: the queue changed
         if until is None or self.stream:  # (serve() with a horizon never asks: kept off its hot path)
             self.stalled = bool(self.held) and not any(ex.busy(lane) for lane in lanes)
@@ -188,6 +173,34 @@ class Engine:
                     if req is not None:
                         self._drop(req, why)
         return self.flush()
+
+    def launch_idle(self) -> None:
+        """Plan and launch every idle lane now, with the live horizon (``live_window``), without waiting: a live
+        engine calls it as soon as results are in, before handing updates over (the server's event loop then
+        takes its turn with the GIL while the GPU works, not between one launch and the next). The next
+        ``step`` finds those lanes busy and goes on to wait."""
+        self._plan(self.executor.now(), None, True)
+
+    def _plan(self, now: float, plan_to: float | None, live: bool) -> bool:
+        """Plan every idle lane to ``plan_to`` (``live``: to the live horizon when ``live_window`` is set) and
+        launch; False if admission control turned requests away (they are ended; the queue changed)."""
+        sched, ex = self.scheduler, self.executor
+        if live and self.live_window is not None:
+            plan_to = self._horizon(now)
+        for lane in sched.lanes:
+            if not ex.busy(lane):
+                batch = sched.schedule(lane, now, plan_to)
+                if batch is not None:
+                    ex.launch(batch)
+                    if self.on_launch is not None:
+                        self.on_launch(batch)
+        if sched.rejected:  # admission control turned these away (Request.error says why)
+            for req in sched.rejected:
+                self.held.pop(req.id, None)
+                self._end(req, "error")
+            sched.rejected.clear()
+            return False
+        return True
 
     def _report(self, res: StepResult, done: list[Request]) -> None:
         """Stream mode: an update with the new tokens of every request that sampled in ``res``; a request

@@ -142,7 +142,10 @@ class EngineRunner:
                     if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
-                        ups += eng.flush()
+                    else:  # the next launch goes out before the updates: handing them to the event loop
+                        self._take(block=False)  # costs this thread the GIL for up to a switch interval
+                        eng.launch_idle()
+                    ups += eng.flush()
                     if self.after_step is not None:
                         self.after_step(eng)
                 if ups:
