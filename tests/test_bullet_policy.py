@@ -407,3 +407,28 @@ def test_summary_counts_jobs_set_aside(monkeypatch):
     assert res.summary["jobs_set_aside"] == 1
     other = simulate(reqs, spec, gpu, SchedulerConfig(policy="chunked"), cache, slo, lat)
     assert "jobs_set_aside" not in other.summary
+
+
+def test_a_cached_prefix_makes_the_queue_head_short_enough_to_go_first():
+    """`_urgent` times the queue's head by what it computes, its prompt less the prefix the cache holds.
+    LinearLatency, 1 ms a token: request 0's 100-token prompt (ids 0..99) is prefilled first and stays cached
+    while it decodes (300 tokens: the later job shares the GPU with it, so it runs in one-layer slices); a
+    150-token job starts at 0.3 s; request 3 arrives at 0.31 s with ids 0..95 then 4 new ones and a 100 ms TTFT
+    target. Behind the job's ~150 ms it would miss; alone ahead of its second slice its 4 fresh tokens after 96
+    cached take a few ms, so the job is set aside and request 3 meets its target (timed as all 100 tokens it
+    would be late anyway, and nothing would be set aside: this test fails without the cached prefix counted)."""
+    from bullet.config import CacheConfig
+    from simulator.run import simulate
+
+    spec, gpu = MODELS["tiny-llama"], GPUS["h200"]
+    lat = LinearLatency(spec.num_layers, base=2e-3, per_token=1e-3)
+    slo = SloConfig(ttft=0.1, tpot=0.5)
+    reqs = [Request(0, 0.0, 100, 300, prompt_ids=tuple(range(100))),
+            Request(2, 0.3, 150, 4, prompt_ids=tuple(range(1000, 1150))),
+            Request(3, 0.31, 100, 4, prompt_ids=tuple(range(96)) + (5000, 5001, 5002, 5003))]
+    cache = CacheConfig(num_blocks=256, block_size=4, prefix_caching=True)
+    res = simulate(reqs, spec, gpu, SchedulerConfig(policy="bullet", max_batched_tokens=48, layers_per_step=1),
+                   cache, slo, lat)
+    assert res.summary["jobs_set_aside"] == 1
+    r3 = next(r for r in res.requests if r.id == 3)
+    assert r3.num_cached_tokens == 96 and r3.first_token_time - r3.arrival <= 0.1

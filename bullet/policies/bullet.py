@@ -308,8 +308,10 @@ class Bullet(LayerSliced):
         _, reqs, first = self.job
         L, p = self.model.num_layers, (self.N - d_cur if d_cur < self.N else self.N)
         rest = float(self.latency.predict(self._job_work(range(first, L)), p))
-        n = head.known
-        mine = float(self.latency.predict(Work(L, n, 1, n * (n + 1) / 2, n, 1, True, n), p))
+        k = head.known  # what the head computes: its prompt less a prefix the cache holds (at least one token)
+        c = min(len(self._hits(head)) * self.kv.block_size, k - 1)
+        n = k - c
+        mine = float(self.latency.predict(Work(L, n, 1, n * c + n * (n + 1) / 2, k, 1, True, k), p))
         if now + rest + mine <= deadline or now + mine > deadline:  # on time behind the job, or late anyway
             return False
         due = min((self.deadline.get(r.id, math.inf) for r in reqs), default=math.inf)
