@@ -8,7 +8,8 @@ requests, TTFT / TPOT (mean, p50, p90) real (client side) vs simulated, and the 
 E2E over the run (its /metrics histograms: request received to token sampled, no HTTP delivery), which tells the
 engine's delay from the server's, and the two delays of live serving the simulation does not have: intake
 (request received to taken by the engine thread) and first-token delivery (sampled to handed to the event
-loop: a launch's tokens come out when it ends).
+loop: a launch's tokens come out when it ends); and the mean launch gap (`bullet:launch_gap_seconds`: a lane's
+idle time between back-to-back launches of the same requests, the host's time between them).
 
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
@@ -40,7 +41,7 @@ POLICY_FLAGS = {"chunked": ["--max-num-batched-tokens", "2048"], "static-split":
 
 SERVER_SIDE = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
                "e2e": "vllm:e2e_request_latency_seconds", "intake": "bullet:request_intake_seconds",
-               "delivery": "bullet:first_token_delivery_seconds"}
+               "delivery": "bullet:first_token_delivery_seconds", "gap": "bullet:launch_gap_seconds"}
 
 
 def scrape(url: str) -> dict[str, tuple[float, float]]:
@@ -53,9 +54,10 @@ def scrape(url: str) -> dict[str, tuple[float, float]]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for key, name in SERVER_SIDE.items():
-            if fam.name == name.removesuffix("_seconds") or fam.name == name:
-                vals = {s.name.rsplit("_", 1)[-1]: s.value for s in fam.samples if s.name.endswith(("_sum", "_count"))}
-                out[key] = (vals.get("sum", 0.0), vals.get("count", 0.0))
+            if fam.name == name.removesuffix("_seconds") or fam.name == name:  # summed over labels (lanes)
+                total = sum(x.value for x in fam.samples if x.name.endswith("_sum"))
+                count = sum(x.value for x in fam.samples if x.name.endswith("_count"))
+                out[key] = (total, count)
     return out
 
 
@@ -146,8 +148,9 @@ def main() -> None:
             sim = json.loads(res.stdout)
             rows.append((policy, rate, real[rate], sim))
     print("\n| policy | rate | failed | TTFT mean real / sim ms (err) | TTFT p50 | TTFT p90 | TPOT mean real / sim ms "
-          "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms | intake / first-token delivery mean ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+          "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms | intake / first-token delivery mean ms | "
+          "launch gap mean ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     (args.out / "results.json").write_text(json.dumps(
         [{"policy": p, "rate": r, "real": real, "sim": sim} for p, r, real, sim in rows], indent=1))
     for policy, rate, real, sim in rows:
@@ -160,6 +163,7 @@ def main() -> None:
         sv = real["server_side_ms"]
         cells.append(f"{sv['ttft']:.1f} / {sv['itl']:.1f} / {sv['e2e']:.1f}")
         cells.append(f"{sv['intake']:.2f} / {sv['delivery']:.2f}")
+        cells.append(f"{sv.get('gap', float('nan')):.3f}")
         print(f"| {policy} | {rate:g} | {real.get('failed', 0)} | " + " | ".join(cells) + " |")
 
 

@@ -677,3 +677,25 @@ def test_sigint_in_the_main_thread_drains_and_returns():
     assert seen["late"] in (503, "refused")
     assert seen["events"][-1]["choices"][0]["finish_reason"] == "length"
     assert server.runner.join(5)
+
+
+def test_launch_gap_counts_back_to_back_launches_of_the_same_requests():
+    """``bullet:launch_gap_seconds``: from a lane's launch end to its next launch's start, only when that launch
+    goes on with some of the same requests (by hand: 0.3 ms once; a launch of other requests is not a gap)."""
+    from bullet.batch import Batch, Chunk, Partition, StepResult
+    from bullet.server.metrics import ServerMetrics
+    from tests.latency import LinearLatency
+
+    sm = ServerMetrics("m", LinearLatency(2), 2)
+    part = Partition("decode", 40)
+
+    def res(ids, start, end):
+        batch = Batch(part, range(2), tuple(Chunk(i, 10, 1, (0,), True) for i in ids))
+        return StepResult(batch, start, end, [end], None)
+
+    for r in (res((1, 2), 0.0, 1.0), res((2, 3), 1.0003, 1.5), res((9,), 2.0, 2.5)):
+        sm.on_step(r)
+    get = sm.registry.get_sample_value
+    labels = {"model_name": "m", "lane": "decode"}
+    assert get("bullet:launch_gap_seconds_count", labels) == 1
+    assert get("bullet:launch_gap_seconds_sum", labels) == pytest.approx(3e-4)

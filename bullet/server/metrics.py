@@ -20,6 +20,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 DELAY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LAUNCH_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+GAP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
 
 
 class ServerMetrics:
@@ -53,8 +54,13 @@ class ServerMetrics:
         self.delivery = Histogram("bullet:first_token_delivery_seconds", "First token sampled (TTFT's end) to "
                                   "handed to the event loop: a launch's tokens come out when it ends.", m,
                                   buckets=DELAY_BUCKETS, registry=reg)
+        self.gap = Histogram("bullet:launch_gap_seconds", "A lane's idle time from a launch's end to the start of "
+                             "its next launch when that one goes on with some of the same requests: the host's "
+                             "time between back-to-back launches (results, planning, input preparation), which "
+                             "a simulation does not have.", m + ["lane"], buckets=GAP_BUCKETS, registry=reg)
         self.latency, self.num_layers = latency, num_layers
         self._flight: dict[str, tuple[Batch, float]] = {}  # lane -> (batch, predicted seconds)
+        self._last: dict[str, tuple[float, set[int]]] = {}  # lane -> (end of its last launch, its requests)
 
     # ---- engine thread ------------------------------------------------------------------------------
     def on_launch(self, batch: Batch) -> None:
@@ -75,6 +81,11 @@ class ServerMetrics:
         if predicted is not None:
             self.predicted.labels(self.model_name, lane).observe(predicted)
         self.measured.labels(self.model_name, lane).observe(res.end - res.start)
+        ids = {c.req_id for c in res.batch.chunks}
+        last = self._last.get(lane)
+        if last is not None and not last[1].isdisjoint(ids):
+            self.gap.labels(self.model_name, lane).observe(max(0.0, res.start - last[0]))
+        self._last[lane] = (res.end, ids)
 
     def taken(self, _request, delay: float) -> None:
         self.intake.labels(self.model_name).observe(delay)
