@@ -23,12 +23,27 @@ from .executor import SimExecutor
 TOKEN_BASE = 97
 
 
+SPIN_S = 3e-4  # the last this much of a wait is spun, not slept: time.sleep overslept 134 us (median, 185 us
+# p90) on a 2-core VM, a third of the 0.41 ms between two launches that a live engine on this executor showed
+# (bench/RESULTS.md), which is the instrument's error, not the engine's; time.sleep(0) itself took 97 us there
+
+
+def precise_sleep(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Sleep ``seconds`` less ``SPIN_S``, then spin until they are up (3 us late at the median on that VM; the
+    interpreter still hands the GIL over at its switch interval)."""
+    end = clock() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    while clock() < end:
+        pass
+
+
 class PacedExecutor:
     """The Executor protocol over a :class:`SimExecutor` whose virtual clock follows ``clock`` (seconds since
     this object was made). Thread-safe for ``now()`` only, as the server needs."""
 
     def __init__(self, sim: SimExecutor, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = precise_sleep) -> None:
         self.sim, self._clock, self._sleep = sim, clock, sleep
         self._t0 = clock()
         self._ready: list[StepResult] = []
