@@ -151,7 +151,9 @@ class Engine:
         sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
         now = ex.now()
         self.stalled = False
-        if not self._plan(now, until if horizon is _AT_UNTIL else horizon, horizon is _AT_UNTIL):
+        if horizon is _AT_UNTIL:
+            horizon = until if self.live_window is None else self._horizon(now)
+        if not self._plan(now, horizon):
             return self.flush()  # plan again: the queue changed
         if until is None or self.stream:  # (serve() with a horizon never asks: kept off its hot path)
             self.stalled = bool(self.held) and not any(ex.busy(lane) for lane in lanes)
@@ -179,14 +181,13 @@ class Engine:
         engine calls it as soon as results are in, before handing updates over (the server's event loop then
         takes its turn with the GIL while the GPU works, not between one launch and the next). The next
         ``step`` finds those lanes busy and goes on to wait."""
-        self._plan(self.executor.now(), None, True)
+        now = self.executor.now()
+        self._plan(now, None if self.live_window is None else self._horizon(now))
 
-    def _plan(self, now: float, plan_to: float | None, live: bool) -> bool:
-        """Plan every idle lane to ``plan_to`` (``live``: to the live horizon when ``live_window`` is set) and
-        launch; False if admission control turned requests away (they are ended; the queue changed)."""
+    def _plan(self, now: float, plan_to: float | None) -> bool:
+        """Plan every idle lane to ``plan_to`` and launch; False if admission control turned requests away
+        (they are ended; the queue changed)."""
         sched, ex = self.scheduler, self.executor
-        if live and self.live_window is not None:
-            plan_to = self._horizon(now)
         for lane in sched.lanes:
             if not ex.busy(lane):
                 batch = sched.schedule(lane, now, plan_to)

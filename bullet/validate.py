@@ -21,7 +21,7 @@ from .engine import serve
 from .kvcache import BlockManager
 from .metrics import request_columns, summarize
 from .perfmodel import LatencyModel, Work, work_of
-from .perfmodel.base import CachedLatency, step_times
+from .perfmodel.base import CachedLatency, partly_co_run, step_times
 from .policies import make_scheduler
 from .request import Request
 
@@ -76,7 +76,7 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
     """Per launch kind: the latency model's prediction for each real launch against its measured duration. A
     launch the other lane overlapped for a fraction ``o`` of its time is predicted as the fitted model reads a
     co-run point: next to the other lane's launch that overlapped it most for that fraction and alone for the
-    rest (``alone / (1 - o + o * alone / co_run)``), so a decode stretch that a prefill joined near its end is
+    rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a prefill joined near its end is
     not taken for a whole co-run. ``rows``, if given, gets one dict per launch (``overlap`` = ``o``)."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for i, res in enumerate(results):
@@ -94,7 +94,7 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
         o = min(1.0, covered / max(res.end - res.start, 1e-12))
         pred = alone = _predicted(latency, b, w, num_layers, None, 0)
         if co is not None:
-            pred = alone / (1.0 - o + o * alone / _predicted(latency, b, w, num_layers, co, co_sms))
+            pred = partly_co_run(alone, _predicted(latency, b, w, num_layers, co, co_sms), o)
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
         kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
         kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))

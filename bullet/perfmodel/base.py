@@ -64,6 +64,13 @@ def check_sms(num_sms, total: int):
     return n, True
 
 
+def partly_co_run(alone: float, co_run: float, overlap: float) -> float:
+    """Seconds of a launch that ran next to the other lane for the fraction ``overlap`` of its own time and alone
+    for the rest, given its time alone and its time co-running throughout (its progress adds up to one launch:
+    ``(1 - o) t / alone + o t / co_run = 1``). How a profile's co-run points and a real run's launches are read."""
+    return alone / (1.0 - overlap + overlap * alone / co_run)
+
+
 def shared_sms(n: int, co_sms: int, work: Work, co: Work, total: int) -> tuple[int, int]:
     """The SMs each of two overlapping launches gets (both lanes on the whole GPU: naive concurrency): the
     SMs they have in common split in proportion to sqrt(tokens) of each launch, since the hardware hands free

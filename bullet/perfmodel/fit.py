@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, ModelSpec
-from .base import Work
+from .base import Work, partly_co_run
 from .fitted import (
     CO_DECODE_Q,
     CO_EAGER_Q,
@@ -385,9 +385,8 @@ def predictions(fm: FittedModel, r: dict) -> dict[str, tuple[float, float]]:
         out["launch"] = (t, r["step_s"])
     else:
         alone = fm.gpu_time(w, n)
-        t_co = alone * (1.0 + fm._slowdown("co_eager", n, co, co_sms, False, fm.own_bw(w, alone) if fm._own else 0.0))
-        o = min(1.0, max(r["overlap"], 0.0))
-        t = alone / (1.0 - o + o * alone / t_co)  # co-run for the overlap, alone after it
+        t_co = fm.eager_next_to(w, alone, n, co, co_sms)
+        t = partly_co_run(alone, t_co, min(1.0, max(r["overlap"], 0.0)))  # co-run for the overlap, alone after
         host = fm.host_time(w)
         out["co-run prefill"] = (t, r["gpu_s"])
         if not fm.graphed(w):

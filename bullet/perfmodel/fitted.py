@@ -108,8 +108,8 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # session): a prefill that streams more bytes a second (a short, memory-bound prompt) loses more to the co-runner's
 # HBM demand (``own_bw_co_bw``: its own stand-alone demand x the co-runner's), and a decode step loses more to the
 # co-runner's SMs the more its own partition streams (``sm_bw_co_sm``: what a reference decode step, 64 rows at
-# context 1024, pulls on that many SMs x the co-runner's SM share). Leave-one-out over the 28 + 28 points: co-run
-# prefill 5.9 -> 4.8 %, co-run decode 5.2 -> 4.4 %.
+# context 1024, pulls on that many SMs x the co-runner's SM share). `bullet fit profiles/h200/llama-3.1-8b`, each SM
+# count held out: co-run prefill 6.5 -> 5.3 %, co-run decode 5.7 -> 4.5 % (docs/perfmodel.md).
 CO_EAGER_Q = CO_Q + ("own_bw_co_bw",)
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
 SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
@@ -466,8 +466,7 @@ class FittedModel:
         else:
             t = self._eager_alone(work, n)
         if co is not None and (np.any(co_sms) if arr else co_sms):
-            own = self.own_bw(work, t) if self._own else 0.0
-            t = t * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own))
+            t = self.eager_next_to(work, t, n, co, co_sms, arr)
         if self.host:
             h = self.host_time(work)
             t = np.maximum(t, h) if arr else max(t, h)
@@ -651,6 +650,12 @@ class FittedModel:
             self._sm_bw_table = [0.0] + [b / t if (t := self._decode_step("decode_first", ref, n)) > 0 else 0.0
                                          for n in range(1, self.num_sms + 1)]
         return self._sm_bw_table
+
+    def eager_next_to(self, work: Work, alone, n, co: Work, co_sms, arr: bool = False):
+        """An eager launch's time on ``n`` SMs next to ``co`` on ``co_sms``, from its stand-alone time(s)
+        ``alone`` (its own HBM demand is a contention term only where the model has one: older files do not)."""
+        own = self.own_bw(work, alone) if self._own else 0.0
+        return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own))
 
     def own_bw(self, work: Work, alone):
         """``work``'s stand-alone HBM demand, TB/s, given its stand-alone time(s) ``alone``."""

@@ -509,14 +509,15 @@ class Bullet(LayerSliced):
                 lo = mid + 1
         return lo
 
-    def _decode_knee(self, work: Work, co: Work | None, slack: float = KNEE, search: str = "decode_knee") -> int:
+    def _decode_knee(self, work: Work, co: Work | None, slack: float | None = None, search: str = "decode_knee") -> int:
         """The decode size past which more SMs barely speed ``work`` up (within ``slack`` of the largest
-        size's step): memory-bound decode saturates HBM well before it has every SM (docs/background.md: 64 of 132
-        SMs pull 85 % of the whole GPU's bandwidth on the H200). ``search``: its warm start's name, one per slack."""
+        size's step; None: ``KNEE``, read when called): memory-bound decode saturates HBM well before it has every SM
+        (docs/background.md: 64 of 132 SMs pull 85 % of the whole GPU's bandwidth on the H200). ``search``: its
+        warm start's name, one per slack."""
         predict, N, sizes = self.latency.predict, self.N, self.dec_sizes
         if not work.seqs:
             return sizes[0]
-        best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + slack)
+        best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + (KNEE if slack is None else slack))
         return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best, search)
 
     def _decode_need(self, view: DecodeView, co: Work | None) -> int:

@@ -142,8 +142,9 @@ class EngineRunner:
                     if eng.stalled:  # nothing in flight and nothing launchable: it would never move again
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
-                    else:  # the next launch goes out before the updates: handing them to the event loop
-                        self._take(block=False)  # costs this thread the GIL for up to a switch interval
+                    else:  # the next launch goes out before the updates (handing them to the event loop
+                        # costs this thread the GIL for up to a switch interval), with what arrived meanwhile
+                        self._take(block=False)
                         eng.launch_idle()
                     ups += eng.flush()
                     if self.after_step is not None:
