@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536, help="context of each decode row")
     ap.add_argument("--decode-steps", type=int, default=8, help="fused decode steps per decode launch (co-run)")
     ap.add_argument("--reps", type=int, default=8, help="timed prefills per condition")
-    ap.add_argument("--sustain-s", type=float, default=10.0)
+    ap.add_argument("--sustain-s", type=float, default=10.0,
+                    help="seconds of co-running before the timed prefills of the sustained condition")
     ap.add_argument("--latency", help="a model JSON (`bullet fit`): print its predictions too")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     args = ap.parse_args()

@@ -2,8 +2,8 @@
 launch's first step (the host time a real engine spends between one launch's end and the next one's start:
 results, planning, input preparation), for each gap and policy. Prints TTFT and TPOT means.
 
-The simulator plans in zero time and the fitted model gives graph launches (decode, graphed prefill) no host
-time; on the H200, in-process serving showed 0.53-1.06 ms (median) between back-to-back decode launches
+The simulator plans in zero time and has no host time between launches (a decode graph's input preparation is
+inside the fitted first step; the engine's results, planning and bookkeeping are not); on the H200, in-process serving showed 0.53-1.06 ms (median) between back-to-back decode launches
 (`bullet validate --policy static-split`, `launches.csv`; bench/RESULTS.md, eleventh session).
 
     python3 bench/launch_gap.py [--gaps-ms 0 0.6 0.9] [--policies chunked static-split bullet] \\
