@@ -14,7 +14,6 @@ what ``sm_bw_co_sm`` uses) and the SM share ``n/N``. The stand-alone predictions
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from scipy.optimize import nnls
 
+from bullet.config import ConfigError
 from bullet.perfmodel import fit as F
 from bullet.perfmodel.fitted import FittedModel
 
@@ -45,8 +45,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", type=Path, default=Path("profiles/h200/llama-3.1-8b"))
     args = ap.parse_args()
-    prof = F.load_profile(args.profile)
-    fm = FittedModel(json.loads((args.profile / "model.json").read_text()), host=False)
+    try:
+        prof = F.load_profile(args.profile)
+        fm = FittedModel.load(args.profile / "model.json", host=False)
+    except (ConfigError, OSError) as e:
+        ap.error(str(e))
     N = prof.num_sms
     sm_bw = fm._sm_bw()
     rows = []

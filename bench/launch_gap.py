@@ -66,6 +66,8 @@ def run(gap: float, args: list[str]) -> dict:
             app(["simulate", "--json", *args], standalone_mode=False)
     finally:
         sim_run.latency_model = real
+    if not out.getvalue().strip():
+        sys.exit(f"bullet simulate {' '.join(args)}: failed (its error is above)")
     return json.loads(out.getvalue())
 
 
