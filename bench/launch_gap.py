@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 POLICY_ARGS = {"chunked": ["--policy", "chunked", "--max-num-batched-tokens", "2048"],
-               "static-split": ["--policy", "static-split"], "bullet": ["--policy", "bullet"],
+               "static-split": ["--policy", "static-split", "--prefill-sms", "92"],
+               "bullet": ["--policy", "bullet", "--decode-sizes", "16,32,48,64,80,96,112"],  # as serve_vs_sim
                "prefill-first": ["--policy", "prefill-first"], "naive-concurrent": ["--policy", "naive-concurrent"]}
 DEFAULT_ARGS = ["--trace", "sharegpt", "--num-requests", "60", "--request-rate", "4", "--fuse-window-ms", "10",
                 "--no-prefix-caching"]

@@ -9,7 +9,9 @@ E2E over the run (its /metrics histograms: request received to token sampled, no
 engine's delay from the server's, and the two delays of live serving the simulation does not have: intake
 (request received to taken by the engine thread) and first-token delivery (sampled to handed to the event
 loop: a launch's tokens come out when it ends); and the mean launch gap (`bullet:launch_gap_seconds`: a lane's
-idle time between back-to-back launches of the same requests, the host's time between them).
+idle time between back-to-back launches of the same requests, the host's time between them), and the mean
+launch time the server's latency model predicted against the measured one (`bullet:launch_predicted_seconds`
+and `..._measured_seconds`): whether a gap to the simulation is in the launches or between them.
 
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
@@ -41,7 +43,8 @@ POLICY_FLAGS = {"chunked": ["--max-num-batched-tokens", "2048"], "static-split":
 
 SERVER_SIDE = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
                "e2e": "vllm:e2e_request_latency_seconds", "intake": "bullet:request_intake_seconds",
-               "delivery": "bullet:first_token_delivery_seconds", "gap": "bullet:launch_gap_seconds"}
+               "delivery": "bullet:first_token_delivery_seconds", "gap": "bullet:launch_gap_seconds",
+               "pred": "bullet:launch_predicted_seconds", "meas": "bullet:launch_measured_seconds"}
 
 
 def scrape(url: str) -> dict[str, tuple[float, float]]:
@@ -107,7 +110,8 @@ def main() -> None:
                     help="simulate as a trace replay (planning to the next arrival) instead of with the server's "
                          "window")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "serve_vs_sim",
-                    help="folder for results.json, each run's bench JSON and the server logs (git-ignored default)")
+                    help="folder for results.json, each run's bench JSON, the server's /metrics after each rate "
+                         "(cumulative) and the server logs (git-ignored default)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
@@ -137,6 +141,8 @@ def main() -> None:
                     sys.exit(f"bullet bench failed ({res.returncode}):\n{(res.stdout + res.stderr)[-2000:]}")
                 real[rate] = json.loads(path.read_text())
                 real[rate]["server_side_ms"] = server_means(before, scrape(url))
+                with urllib.request.urlopen(url + "/metrics", timeout=10) as r:  # per lane, for a closer look
+                    (args.out / f"metrics_{policy}_{rate:g}.txt").write_bytes(r.read())
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         for rate in args.rates:
@@ -149,8 +155,8 @@ def main() -> None:
             rows.append((policy, rate, real[rate], sim))
     print("\n| policy | rate | failed | TTFT mean real / sim ms (err) | TTFT p50 | TTFT p90 | TPOT mean real / sim ms "
           "(err) | TPOT p50 | TPOT p90 | server-side TTFT / ITL / E2E mean ms | intake / first-token delivery mean ms | "
-          "launch gap mean ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+          "launch gap mean ms | launch predicted / measured mean ms (err) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     (args.out / "results.json").write_text(json.dumps(
         [{"policy": p, "rate": r, "real": real, "sim": sim} for p, r, real, sim in rows], indent=1))
     for policy, rate, real, sim in rows:
@@ -164,6 +170,8 @@ def main() -> None:
         cells.append(f"{sv['ttft']:.1f} / {sv['itl']:.1f} / {sv['e2e']:.1f}")
         cells.append(f"{sv['intake']:.2f} / {sv['delivery']:.2f}")
         cells.append(f"{sv.get('gap', float('nan')):.3f}")
+        pm, mm = sv.get("pred", float("nan")), sv.get("meas", float("nan"))
+        cells.append(f"{pm:.2f} / {mm:.2f} ({100 * (pm / mm - 1):+.1f} %)")
         print(f"| {policy} | {rate:g} | {real.get('failed', 0)} | " + " | ".join(cells) + " |")
 
 

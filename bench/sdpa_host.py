@@ -1,0 +1,96 @@
+"""Host and GPU time of the causal prefill attention call (``F.scaled_dot_product_attention`` as
+bullet/gpu/attention.py calls it: ``[1, H, n, D]`` queries, unexpanded KV heads with ``enable_gqa``) per SDPA
+backend. An eager prefill enqueues one such call per layer per prompt, so its host time is paid 32 times per
+prompt by the engine thread; py-spy of a live `bullet run` on the H200 found the engine thread in this call
+for 15 % of its samples (bench/RESULTS.md, twelfth session).
+
+Host time: calls enqueued while the GPU is held busy by a long sleep kernel (so the host never waits on a full
+queue), median per call. GPU time: CUDA events around 20 calls after warm-up. Each backend's output is checked
+against a float32 reference first; a backend that cannot run the shape is reported as such.
+
+    python3 bench/sdpa_host.py [--lengths 256 1024 2048 4096] [--model llama-3.1-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def sdpa(q, k, v, backend):
+    """The causal call as bullet/gpu/attention.py makes it, on ``backend`` (None: torch's own choice)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    from bullet.config import resolve_model
+
+    warnings.filterwarnings("ignore", category=UserWarning)  # SDPA explains each backend it cannot use
+    if not torch.cuda.is_available():
+        sys.exit("bench/sdpa_host.py needs a CUDA GPU")
+    spec = resolve_model(args.model)
+    H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+    dev = torch.device("cuda")
+    backends = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    print("| n | backend | host us / call (median) | GPU ms / call | max abs err vs fp32 |")
+    print("|---:|---|---:|---:|---:|")
+    for n in args.lengths:
+        g = torch.Generator(device=dev).manual_seed(n)
+        q = torch.randn((1, H, n, D), device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16, generator=g)
+        rep = H // KVH
+        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(rep, 1),
+                                             v.float().repeat_interleave(rep, 1), is_causal=True)
+        for name, be in backends.items():
+            try:
+                out = sdpa(q, k, v, be)
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                print(f"| {n} | {name} | cannot run: {str(e).splitlines()[0][:60]} | | |")
+                continue
+            err = (out.float() - ref).abs().max().item()
+
+            for _ in range(3):
+                sdpa(q, k, v, be)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work ahead of the calls
+            host = []
+            for _ in range(50):
+                t = time.perf_counter()
+                sdpa(q, k, v, be)
+                host.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(20):
+                sdpa(q, k, v, be)
+            b.record()
+            torch.cuda.synchronize()
+            print(f"| {n} | {name} | {statistics.median(host) * 1e6:.0f} | {a.elapsed_time(b) / 20:.3f} | "
+                  f"{err:.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
