@@ -11,7 +11,8 @@ engine's delay from the server's, and the two delays of live serving the simulat
 loop: a launch's tokens come out when it ends); and the mean launch gap (`bullet:launch_gap_seconds`: a lane's
 idle time between back-to-back launches of the same requests, the host's time between them), and the mean
 launch time the server's latency model predicted against the measured one (`bullet:launch_predicted_seconds`
-and `..._measured_seconds`): whether a gap to the simulation is in the launches or between them.
+and `..._measured_seconds`): whether a gap to the simulation is in the launches or between them. Each server
+writes `--launch-log` (``--out``/launches_POLICY.csv), summed per launch kind after its runs.
 
     python3 bench/serve_vs_sim.py --latency MODEL.json --policies chunked static-split bullet --rates 4 8
     python3 bench/serve_vs_sim.py --device cpu --model tiny-llama --policies chunked --rates 4 --num-requests 8 \\
@@ -73,6 +74,25 @@ def server_means(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+def launch_summary(path: Path, policy: str) -> str:
+    """The server's --launch-log, summed per launch kind (lane/kind, alone or beside the other lane for most of
+    its time): launches, predicted and measured seconds."""
+    import csv
+
+    sums: dict[str, list[float]] = {}
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            key = r["kind"] + (" beside" if float(r["overlap"]) > 0.5 else " alone")
+            acc = sums.setdefault(key, [0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += float(r["predicted_ms"]) / 1e3
+            acc[2] += float(r["measured_ms"]) / 1e3
+    lines = [f"{policy}: launches over all rates (--launch-log {path}), predicted / measured s"]
+    for key, (n, p, m) in sorted(sums.items()):
+        lines.append(f"  {key:<32} {n:>6} launches  {p:8.2f} / {m:8.2f} ({100 * (p / m - 1):+.1f} %)")
+    return "\n".join(lines)
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -124,10 +144,11 @@ def main() -> None:
         flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
         log = args.out / f"server_{policy}.log"
         t0 = time.perf_counter()
+        launches = args.out / f"launches_{policy}.csv"
         with log.open("w") as lf:
             proc = subprocess.Popen([*CLI, "run", *common, *flags, "--device", args.device, "--slo", args.slo,
-                                     "--port", str(args.port), "--log-level", "warning",
-                                     "--no-prefix-caching", *window], stdout=lf, stderr=lf)
+                                     "--port", str(args.port), "--log-level", "warning", "--launch-log",
+                                     str(launches), "--no-prefix-caching", *window], stdout=lf, stderr=lf)
             wait_ready(url, proc, log, args.ready_timeout)
             print(f"{policy}: server ready in {time.perf_counter() - t0:.0f} s", flush=True)
             real = {}
@@ -145,6 +166,8 @@ def main() -> None:
                     (args.out / f"metrics_{policy}_{rate:g}.txt").write_bytes(r.read())
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
+        if launches.exists():
+            print(launch_summary(launches, policy), flush=True)
         for rate in args.rates:
             skip = ["--skip-oversized"] if args.skip_oversized else []
             res = subprocess.run([*CLI, "simulate", *common, *flags, *work, *skip, *sim_window, "--request-rate",

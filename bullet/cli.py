@@ -182,22 +182,29 @@ from .cli_validate import validate
 
 app.command(cls=PlainHelpCommand)(validate)
 
-def check_out_dir(out: Path) -> None:
+def check_out_dir(out: Path, flag: str = "--out") -> None:
     """Fail now, not after the simulation, where ``out`` cannot be a folder to write into. Nothing is created:
     the folder itself is made when the files are written."""
     if out.exists() and not out.is_dir():
-        raise fail(f"--out {out}: exists and is not a folder")
+        raise fail(f"{flag} {out}: exists and is not a folder")
     probe = out
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise fail(f"--out {out}: {probe} is a file, not a folder")
+        raise fail(f"{flag} {out}: {probe} is a file, not a folder")
     try:
         fd, name = tempfile.mkstemp(prefix=".bullet-probe-", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise fail(f"--out {out}: cannot write in {probe}: {e.strerror or e}") from None
+        raise fail(f"{flag} {out}: cannot write in {probe}: {e.strerror or e}") from None
+
+
+def check_out_file(path: Path, flag: str) -> None:
+    """Fail now, not when the file is due, where ``path`` cannot be written (a folder, or no writable folder)."""
+    if path.is_dir():
+        raise fail(f"{flag} {path}: is a folder, not a file")
+    check_out_dir(path.parent, flag)
 
 
 def need_module(module: str, flag: str, extra: str) -> None:

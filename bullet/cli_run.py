@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -103,6 +104,12 @@ def run(
     drain_timeout: Annotated[float, typer.Option(help="On SIGINT/SIGTERM: seconds to let in-flight requests "
                                                       "finish before they are aborted.", min=0.0)] = 30.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    launch_log: Annotated[Path | None, typer.Option(help="On exit, write every launch to this CSV (bullet "
+                                                         "validate's launches.csv columns: lane and kind, SMs, "
+                                                         "work, the other lane's overlap, measured and predicted "
+                                                         "ms), to see where live serving departs from the "
+                                                         "latency model. Keeps about 1 KB a launch in memory.",
+                                                    dir_okay=False)] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (vLLM's routes) with the chosen policy on the real
     executor. Stops on SIGINT/SIGTERM: refuses new requests (503), lets in-flight ones finish within
@@ -112,6 +119,10 @@ def run(
                   "--gpu-memory-utilization": gpu_memory_utilization})
     if fuse_window_ms <= 0:
         raise fail(f"--fuse-window-ms must be a positive number of milliseconds, got {fuse_window_ms:g}")
+    if launch_log is not None:
+        from .cli import check_out_file
+
+        check_out_file(launch_log, "--launch-log")
     slo_cfg = slo_config(slo.value, given, slo_ttft, slo_ttft_per_token, slo_tpot, parse_goodput(goodput or []))
     try:
         from .server import build_server
@@ -131,7 +142,8 @@ def run(
         server = build_server(model, device=device, weights=weights,
                               tokenizer=None if tokenizer == "bytes" else tokenizer, gpu=gpu, sched=sched,
                               cache=cache, slo=slo_cfg, latency=latency, seed=seed, served_model_name=served_model_name,
-                              api_key=api_key, max_waiting=max_waiting, window_s=fuse_window_ms / 1e3)
+                              api_key=api_key, max_waiting=max_waiting, window_s=fuse_window_ms / 1e3,
+                              keep_launches=launch_log is not None)
     except (ConfigError, ValueError, OSError) as e:
         raise fail(str(e)) from None
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
@@ -143,6 +155,9 @@ def run(
     finally:
         if server.runner.join(5.0):  # not after a forced exit: the engine thread may still use the executor
             server.engine.executor.close()
+            if launch_log is not None:
+                n = server.metrics.write_launch_log(launch_log)
+                logging.getLogger("bullet").info("wrote %d launches to %s", n, launch_log)
 
 
 def register(app: typer.Typer, command_class=None) -> None:

@@ -71,6 +71,13 @@ def compare(real: dict, sim: dict) -> list[dict]:
     return rows
 
 
+# launches.csv (``bullet validate --out``, ``bullet run --launch-log``): start (executor clock, s), lane/kind, the
+# launch's SMs and work, its fused steps, the other lane's SMs and tokens where it overlapped, the overlapped
+# fraction of the launch, measured and predicted ms
+LAUNCH_COLUMNS = ("start_s", "kind", "sms", "layers", "tokens", "seqs", "attn_pairs", "kv_read", "max_kv", "samples",
+                  "steps", "co_sms", "co_tokens", "overlap", "measured_ms", "predicted_ms")
+
+
 def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int,
                   rows: list[dict] | None = None) -> list[dict]:
     """Per launch kind: the latency model's prediction for each real launch against its measured duration. A
@@ -99,11 +106,10 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
         kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
         kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))
         if rows is not None:
-            rows.append({"start_s": res.start, "kind": f"{b.lane}/{kind}", "sms": sms, "layers": w.num_layers,
-                         "tokens": w.tokens, "seqs": w.seqs, "attn_pairs": w.attn_pairs, "kv_read": w.kv_read,
-                         "max_kv": w.max_kv, "samples": w.samples, "steps": b.steps, "co_sms": co_sms,
-                         "co_tokens": co.tokens if co else 0, "overlap": round(o, 4),
-                         "measured_ms": (res.end - res.start) * 1e3, "predicted_ms": pred * 1e3})
+            rows.append(dict(zip(LAUNCH_COLUMNS, (
+                res.start, f"{b.lane}/{kind}", sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
+                w.max_kv, w.samples, b.steps, co_sms, co.tokens if co else 0, round(o, 4),
+                (res.end - res.start) * 1e3, pred * 1e3), strict=True)))
     out = []
     for kind, pairs in sorted(kinds.items()):
         m = np.array([p[0] for p in pairs])
@@ -181,13 +187,19 @@ def simulated_capacity(requests_at: Callable[[float], list[Request]], model: Mod
 def write_launches(rep: Report, path) -> None:
     """Every real launch as a CSV row: its work, the fraction of it the other lane overlapped, measured and
     predicted ms."""
+    write_launch_rows(rep.launch_rows, path)
+
+
+def write_launch_rows(rows: list[dict], path) -> None:
+    """:func:`launch_errors`' rows as a CSV file (through a temporary file; a header only when there are none)."""
     import csv
 
-    with open(path, "w", newline="") as f:
-        if rep.launch_rows:
-            w = csv.DictWriter(f, fieldnames=list(rep.launch_rows[0]))
-            w.writeheader()
-            w.writerows(rep.launch_rows)
+    from .metrics import atomic_write
+
+    with atomic_write(path) as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else list(LAUNCH_COLUMNS))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def plot_cdfs(rep: Report, path, title: str) -> None:

@@ -7,6 +7,7 @@ get 4xx, never 5xx; limits name themselves; /metrics parses; shutdown drains, ab
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from bullet.gpu.model import reference_forward
 from bullet.gpu.weights import load_weights
 from bullet.server import build_server
 from bullet.server.tokenizer import ByteTokenizer, simple_chat
+from bullet.validate import LAUNCH_COLUMNS
 
 SPEC = MODELS["tiny-llama"]
 BYTES = ByteTokenizer(SPEC.vocab_size)
@@ -271,6 +273,34 @@ def test_device_sim_paces_an_h200_without_a_model():
         assert lanes == {"prefill", "decode"}
     finally:
         s.stop()
+
+
+def test_launch_log_holds_every_launch_of_both_lanes(tmp_path):
+    """``keep_launches`` (``bullet run --launch-log``) on the simulated device with static-split: one row per
+    launch the server measured (its /metrics count, per lane), in start order, each lane on its own SMs, the
+    overlapped fraction in [0, 1]."""
+    s = Live(model="llama-3.1-8b", device="sim", sched=SchedulerConfig(policy="static-split", layers_per_step=8),
+             keep_launches=True)
+    try:
+        bodies = [{"prompt": [65 + i] * 300, "max_tokens": 12, "stream": True, "return_token_ids": True,  # distinct
+                   "stream_options": {"include_usage": True}} for i in range(6)]
+        stream_all(s.url, bodies)
+        s.idle()
+        counts = {dict(lab)["lane"]: v for (name, lab), v in s.metrics().items()
+                  if name == "bullet:launch_measured_seconds_count"}
+        n = s.server.metrics.write_launch_log(tmp_path / "launches.csv")
+    finally:
+        s.stop()
+    with (tmp_path / "launches.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert n == len(rows) == sum(counts.values())
+    by_lane = {lane: [r for r in rows if r["kind"].startswith(lane + "/")] for lane in ("prefill", "decode")}
+    assert {lane: len(v) for lane, v in by_lane.items()} == counts
+    assert {r["sms"] for r in by_lane["prefill"]} == {"92"} and {r["sms"] for r in by_lane["decode"]} == {"40"}
+    starts = [float(r["start_s"]) for r in rows]
+    assert starts == sorted(starts)
+    assert all(0.0 <= float(r["overlap"]) <= 1.0 for r in rows)
+    assert sum(int(r["tokens"]) for r in by_lane["prefill"]) == 6 * 300 * 4  # 4 slices of 8 layers each
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -593,13 +623,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_aborts_what_is_left_and_exits_zero():
+def test_sigterm_aborts_what_is_left_and_exits_zero(tmp_path):
     """`bullet run` as a process, --drain-timeout 0: SIGTERM ends the stream in flight with finish_reason
-    "abort" and an error event, and the process exits 0."""
+    "abort" and an error event, and the process exits 0, having written its --launch-log: the one request's
+    prompt's launch and then one-token steps, each of that one sequence, on the chunked policy's one lane."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "launches.csv"
     proc = subprocess.Popen([sys.executable, "-m", "bullet.cli", "run", "--model", "tiny-llama", "--device", "cpu",
-                             "--port", str(port), "--drain-timeout", "0", "--log-level", "warning"],
+                             "--port", str(port), "--drain-timeout", "0", "--log-level", "warning",
+                             "--launch-log", str(log)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -615,6 +648,12 @@ def test_sigterm_aborts_what_is_left_and_exits_zero():
         assert events[-1]["choices"][0]["finish_reason"] == "abort"
         assert any("error" in e and "shut down" in e["error"]["message"] for e in events)
         assert proc.wait(60) == 0
+        with log.open() as f:
+            rows = list(csv.DictReader(f))
+        assert tuple(rows[0]) == LAUNCH_COLUMNS
+        assert len(rows) >= 2 and all(r["kind"].startswith("all/") for r in rows)  # (a 2-token prompt reads
+        assert all(r["tokens"] == "1" for r in rows[1:])  # as a decode-like launch too)
+        assert all(r["seqs"] == "1" and float(r["measured_ms"]) > 0 and r["overlap"] == "0.0" for r in rows)
     finally:
         if proc.poll() is None:
             proc.kill()

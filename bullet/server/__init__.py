@@ -19,11 +19,13 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
                  gpu: str = "h200", sched: SchedulerConfig | None = None, cache: CacheConfig | None = None,
                  slo: SloConfig | None = None, latency: str = "auto", seed: int = 0,
                  served_model_name: str | None = None, api_key: str | None = None, max_waiting: int = 512,
-                 window_s: float = 0.01, use_graphs: bool = True):
+                 window_s: float = 0.01, use_graphs: bool = True, keep_launches: bool = False):
     """``model``: a preset or a model folder (config.json; tokenizer.json and *.safetensors where present).
     ``weights``: "auto" (the folder's safetensors if it has any, else seeded dummy weights), "dummy", or a
     folder. ``tokenizer``: "auto" (the model folder's tokenizer.json, else the byte-level scheme), None (the
-    byte-level scheme) or a folder. ConfigError naming the flag for bad values."""
+    byte-level scheme) or a folder. ``keep_launches``: the metrics keep every launch for
+    ``server.metrics.write_launch_log`` (``bullet run --launch-log``). ConfigError naming the flag for bad
+    values."""
     from simulator.run import latency_model
 
     from ..engine import Engine
@@ -63,7 +65,7 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
         ex.close()
         raise
     name = served_model_name or model
-    metrics = ServerMetrics(name, base, spec.num_layers)
+    metrics = ServerMetrics(name, base, spec.num_layers, keep_launches=keep_launches)
     engine = Engine(scheduler, ex, stream=True, on_launch=metrics.on_launch, on_step=metrics.on_step)
     return BulletServer(engine, tok, metrics, model_name=name, max_waiting=max_waiting, api_key=api_key,
                         window_s=window_s, thread_init=thread_init)

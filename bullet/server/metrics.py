@@ -24,7 +24,10 @@ GAP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, latency: LatencyModel, num_layers: int) -> None:
+    def __init__(self, model_name: str, latency: LatencyModel, num_layers: int, keep_launches: bool = False) -> None:
+        """``keep_launches``: keep every launch's result for :meth:`write_launch_log` (``bullet run
+        --launch-log``; about 1 KB a launch)."""
+        self.launches: list[StepResult] | None = [] if keep_launches else None
         self.registry = reg = CollectorRegistry()
         m = ["model_name"]
         self.model_name = model_name
@@ -76,6 +79,8 @@ class ServerMetrics:
         self.lane_sms.labels(self.model_name, lane).set(sms)
 
     def on_step(self, res: StepResult) -> None:
+        if self.launches is not None:
+            self.launches.append(res)
         lane = res.batch.lane
         _, predicted = self._flight.pop(lane, (None, None))
         if predicted is not None:
@@ -120,3 +125,13 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def write_launch_log(self, path) -> int:
+        """Every launch kept so far as a CSV row, in ``bullet validate``'s launches.csv columns (its work, the
+        fraction the other lane overlapped, measured and predicted ms); returns how many."""
+        from ..validate import launch_errors, write_launch_rows
+
+        rows: list[dict] = []
+        launch_errors(sorted(self.launches or (), key=lambda r: r.start), self.latency, self.num_layers, rows)
+        write_launch_rows(rows, path)
+        return len(rows)
