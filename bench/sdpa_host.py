@@ -8,7 +8,13 @@ Host time: calls enqueued while the GPU is held busy by a long sleep kernel (so 
 queue), median per call. GPU time: CUDA events around 20 calls after warm-up. Each backend's output is checked
 against a float32 reference first; a backend that cannot run the shape is reported as such.
 
-    python3 bench/sdpa_host.py [--lengths 256 1024 2048 4096] [--model llama-3.1-8b]
+Then the serving conditions, default backend at ``--cond-length`` tokens: the call on the main thread or on a
+worker thread (the live server's engine thread), on the default stream, on one nested-menu prefill partition's
+green-context stream, or alternating over four of them (bullet changes its prefill size slice by slice).
+py-spy of the live engine thread attributed about 0.4 ms to each such call (15 % of its samples) where the
+first table's conditions give 20-30 us: which condition costs it is what the second table is for.
+
+    python3 bench/sdpa_host.py [--lengths 256 1024 2048 4096] [--model llama-3.1-8b] [--cond-length 1024]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--cond-length", type=int, default=1024, help="prompt length of the serving-conditions table")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -90,6 +97,70 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"| {n} | {name} | {statistics.median(host) * 1e6:.0f} | {a.elapsed_time(b) / 20:.3f} | "
                   f"{err:.3g} |", flush=True)
+
+
+    conditions(spec, args.cond_length)
+
+
+def host_times(q, k, v, streams, calls: int = 64) -> list[float]:
+    """Seconds of host time per call, enqueued behind a long sleep kernel on each stream (cycled per call)."""
+    import torch
+
+    for st in streams:  # warm each stream (its allocator pool, cuDNN's handle on it)
+        with torch.cuda.stream(st):
+            sdpa(q, k, v, None)
+    torch.cuda.synchronize()
+    for st in streams:
+        with torch.cuda.stream(st):
+            torch.cuda._sleep(1_000_000_000)
+    out = []
+    for i in range(calls):
+        with torch.cuda.stream(streams[i % len(streams)]):
+            t = time.perf_counter()
+            sdpa(q, k, v, None)
+            out.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return out
+
+
+def conditions(spec, n: int) -> None:
+    """The second table: host time per call by thread and stream (see the module's docstring)."""
+    import threading
+
+    import torch
+
+    from bullet.gpu.partitions import PartitionMenu
+
+    H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
+    dev = torch.device("cuda")
+    q = torch.randn((1, H, n, D), device=dev, dtype=torch.bfloat16)
+    k = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16)
+    v = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16)
+    menu = PartitionMenu.create(dev.index or 0)
+    try:
+        sizes = [x for x in menu.prefill if x < menu.num_sms]
+        picks = [menu.prefill[x].stream for x in sizes[len(sizes) // 4::max(1, len(sizes) // 4)][:4]]
+        cases = {"default stream": [torch.cuda.current_stream()], "one green stream": picks[:1],
+                 "4 green streams, alternating": picks}
+        print(f"\n| thread | stream | host us / call p50 | p90 |   (n = {n}, default backend)")
+        print("|---|---|---:|---:|")
+        for where in ("main", "worker"):
+            for name, streams in cases.items():
+                got: list[float] = []
+                if where == "main":
+                    got = host_times(q, k, v, streams)
+                else:
+                    def work(streams=streams, got=got):
+                        torch.cuda.set_device(dev)
+                        got.extend(host_times(q, k, v, streams))
+                    t = threading.Thread(target=work)
+                    t.start()
+                    t.join()
+                xs = sorted(got)
+                print(f"| {where} | {name} | {statistics.median(xs) * 1e6:.0f} | {xs[int(0.9 * len(xs))] * 1e6:.0f} |",
+                      flush=True)
+    finally:
+        menu.close()
 
 
 if __name__ == "__main__":
