@@ -303,6 +303,42 @@ def test_launch_log_holds_every_launch_of_both_lanes(tmp_path):
     assert sum(int(r["tokens"]) for r in by_lane["prefill"]) == 6 * 300 * 4  # 4 slices of 8 layers each
 
 
+def test_a_first_token_is_handed_over_before_the_next_launch():
+    """The engine thread hands a step's updates to the event loop after launching the idle lanes, except when
+    they carry a request's first token: those go right after the step, so TTFT does not wait for the next
+    launch's host work. Steps, launches and deliveries are logged in order on the simulated device."""
+    s = Live(model="llama-3.1-8b", device="sim", sched=SchedulerConfig(policy="static-split", layers_per_step=8))
+    eng, runner, order = s.server.engine, s.server.runner, []
+    step, launch_idle, deliver = eng.step, eng.launch_idle, runner.deliver
+
+    def logged(name, fn):
+        def call(*a, **kw):
+            order.append(name)
+            return fn(*a, **kw)
+        return call
+
+    def logged_deliver(ups):
+        first = any(u.token_times and u.token_times[0] == u.request.first_token_time for u in ups)
+        order.append("deliver first" if first else "deliver")
+        deliver(ups)
+
+    eng.step, eng.launch_idle, runner.deliver = logged("step", step), logged("launch", launch_idle), logged_deliver
+    try:
+        bodies = [{"prompt": [70 + i] * 200, "max_tokens": 8, "stream": True, "return_token_ids": True,
+                   "stream_options": {"include_usage": True}}
+                  for i in range(4)]  # distinct prompts (no prefix hits), 8 tokens each: never idle at a first
+        stream_all(s.url, bodies)
+        s.idle()
+    finally:
+        s.stop()
+    firsts = [i for i, e in enumerate(order) if e == "deliver first"]
+    assert firsts and all(order[i - 1] == "step" for i in firsts)
+    assert all(order[i + 1] == "launch" for i in firsts)
+    last_step = max(i for i, e in enumerate(order) if e == "step")  # after it, the idle engine's last updates
+    others = [i for i, e in enumerate(order) if e == "deliver" and i < last_step]
+    assert others and all(order[i - 1] == "launch" for i in others)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_the_kv(live, stream):
     before = live.metrics().get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0.0)

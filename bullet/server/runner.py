@@ -40,6 +40,11 @@ class EngineDead(RuntimeError):
     """The engine thread has stopped (closed, or a step raised); no request can be taken."""
 
 
+def _first_token(u: Update) -> bool:
+    """Whether ``u`` carries its request's first output token."""
+    return bool(u.token_times) and u.token_times[0] == u.request.first_token_time
+
+
 class LiveWait:
     """The executor as the runner's engine sees it: ``wait(until)`` returns at ``until``, or earlier when a
     launch returns or something arrives in ``inbox`` (polled every ``tick_s``), so that a new request may
@@ -143,8 +148,13 @@ class EngineRunner:
                         for rid in list(eng.held):
                             eng.abort(rid, "the scheduler stalled: nothing schedulable")
                     else:  # the next launch goes out before the updates (handing them to the event loop
-                        # costs this thread the GIL for up to a switch interval), with what arrived meanwhile
+                        # costs this thread the GIL for up to a switch interval), with what arrived meanwhile;
+                        # except a first token, which would wait for that launch's host work (an eager
+                        # prefill's: several ms on the H200), a wait TTFT's client sees and no simulation has
                         self._take(block=False)
+                        if any(_first_token(u) for u in ups):
+                            self.deliver(ups)
+                            ups = []
                         eng.launch_idle()
                     ups += eng.flush()
                     if self.after_step is not None:
