@@ -216,10 +216,12 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
                   f"{err:+.1f} %{mark}")
     console.print(t)
     k = Table(title="latency model on each real launch (error = predicted vs measured)", title_justify="left")
-    for col in ("kind", "launches", "measured ms p50", "error p10", "error p50", "error p90"):
+    for col in ("kind", "launches", "measured ms p50", "error p10", "error p50", "error p90", "summed"):
         k.add_column(col, justify="left" if col == "kind" else "right")
     for r in rep.launches:
         k.add_row(r["kind"], str(r["launches"]), f"{r['measured_ms_p50']:.2f}", f"{r['error_pct_p10']:+.1f} %",
-                  f"{r['error_pct_p50']:+.1f} %", f"{r['error_pct_p90']:+.1f} %")
+                  f"{r['error_pct_p50']:+.1f} %", f"{r['error_pct_p90']:+.1f} %", f"{r['error_pct_sum']:+.1f} %")
     console.print(k)
+    console.print("summed: all the kind's predicted time against all its measured time (what a queue sees); "
+                  "beside: the other lane ran for most of the launch")
     console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")

@@ -80,7 +80,9 @@ LAUNCH_COLUMNS = ("start_s", "kind", "sms", "layers", "tokens", "seqs", "attn_pa
 
 def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int,
                   rows: list[dict] | None = None) -> list[dict]:
-    """Per launch kind: the latency model's prediction for each real launch against its measured duration. A
+    """Per launch kind (lane/kind, "beside" where the other lane overlapped most of it): the latency model's
+    prediction for each real launch against its measured duration, per launch (percentiles) and summed (the
+    busy time a queue sees). A
     launch the other lane overlapped for a fraction ``o`` of its time is predicted as the fitted model reads a
     co-run point: next to the other lane's launch that overlapped it most for that fraction and alone for the
     rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a prefill joined near its end is
@@ -104,7 +106,8 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
             pred = partly_co_run(alone, _predicted(latency, b, w, num_layers, co, co_sms), o)
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
         kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
-        kinds.setdefault(f"{b.lane}/{kind}", []).append((res.end - res.start, pred))
+        side = " beside" if o > 0.5 else ""  # the other lane ran for most of it: contention's share
+        kinds.setdefault(f"{b.lane}/{kind}{side}", []).append((res.end - res.start, pred))
         if rows is not None:
             rows.append(dict(zip(LAUNCH_COLUMNS, (
                 res.start, f"{b.lane}/{kind}", sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
@@ -113,10 +116,12 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
     out = []
     for kind, pairs in sorted(kinds.items()):
         m = np.array([p[0] for p in pairs])
-        e = 100 * (np.array([p[1] for p in pairs]) - m) / np.maximum(m, 1e-12)
+        pr = np.array([p[1] for p in pairs])
+        e = 100 * (pr - m) / np.maximum(m, 1e-12)
         out.append({"kind": kind, "launches": len(pairs), "measured_ms_p50": float(np.median(m) * 1e3),
                     "error_pct_p10": float(np.percentile(e, 10)), "error_pct_p50": float(np.median(e)),
-                    "error_pct_p90": float(np.percentile(e, 90))})
+                    "error_pct_p90": float(np.percentile(e, 90)),
+                    "error_pct_sum": float(100 * (pr.sum() / max(m.sum(), 1e-12) - 1))})
     return out
 
 
