@@ -216,12 +216,14 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
                   f"{err:+.1f} %{mark}")
     console.print(t)
     k = Table(title="latency model on each real launch (error = predicted vs measured)", title_justify="left")
-    for col in ("kind", "launches", "measured ms p50", "error p10", "error p50", "error p90", "summed"):
-        k.add_column(col, justify="left" if col == "kind" else "right")
+    widest = max((len(r["kind"]) for r in rep.launches), default=4)
+    k.add_column("kind", no_wrap=True, min_width=widest)
+    for col in ("n", "ms p50", "p10 %", "p50 %", "p90 %", "sum %"):
+        k.add_column(col, justify="right", no_wrap=True)
     for r in rep.launches:
-        k.add_row(r["kind"], str(r["launches"]), f"{r['measured_ms_p50']:.2f}", f"{r['error_pct_p10']:+.1f} %",
-                  f"{r['error_pct_p50']:+.1f} %", f"{r['error_pct_p90']:+.1f} %", f"{r['error_pct_sum']:+.1f} %")
+        k.add_row(r["kind"], str(r["launches"]), f"{r['measured_ms_p50']:.2f}", f"{r['error_pct_p10']:+.1f}",
+                  f"{r['error_pct_p50']:+.1f}", f"{r['error_pct_p90']:+.1f}", f"{r['error_pct_sum']:+.1f}")
     console.print(k)
-    console.print("summed: all the kind's predicted time against all its measured time (what a queue sees); "
-                  "beside: the other lane ran for most of the launch")
+    console.print("p10-p90: error per launch; sum: all the kind's predicted time against all its measured time "
+                  "(what a queue sees); beside: the other lane ran for most of the launch")
     console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")
