@@ -108,7 +108,7 @@ def run(
                                                          "validate's launches.csv columns: lane and kind, SMs, "
                                                          "work, the other lane's overlap, measured and predicted "
                                                          "ms), to see where live serving departs from the "
-                                                         "latency model. Keeps about 1 KB a launch in memory.",
+                                                         "latency model. Keeps about 350 bytes a launch in memory.",
                                                     dir_okay=False)] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (vLLM's routes) with the chosen policy on the real

@@ -158,7 +158,7 @@ def validate(
                 folder = out if len(runs) == 1 else out / (Path(tr).stem + ("" if rt is None else f"@{rt:g}"))
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "report.json").write_text(json.dumps(rep.to_json(), indent=1, default=float) + "\n")
-                lib.write_launches(rep, folder / "launches.csv")
+                lib.write_launch_rows(rep.launch_rows, folder / "launches.csv")
                 try:
                     lib.plot_cdfs(rep, folder / "cdf.png", title)
                 except ImportError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -78,41 +79,59 @@ LAUNCH_COLUMNS = ("start_s", "kind", "sms", "layers", "tokens", "seqs", "attn_pa
                   "steps", "co_sms", "co_tokens", "overlap", "measured_ms", "predicted_ms")
 
 
-def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_layers: int,
+class Launch(NamedTuple):
+    """What :func:`launch_errors` needs of one launch: its lane, SMs, layer range, fused steps, work, start
+    and end (executor clock). 340-360 bytes a launch kept, where a kept StepResult holds its Batch's chunks and
+    block ids alive: 6.5-10.7 KB (``python3 bench/launch_log_memory.py``)."""
+
+    lane: str
+    sms: int
+    layers: range
+    steps: int
+    work: Work
+    start: float
+    end: float
+
+
+def launch_of(res: StepResult, num_layers: int, work: Work | None = None) -> Launch:
+    """``res`` as a :class:`Launch` (``work``: its batch's work if already computed)."""
+    b = res.batch
+    return Launch(b.lane, b.partition.num_sms, b.layers, b.steps, work or work_of(b, num_layers), res.start, res.end)
+
+
+def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers: int,
                   rows: list[dict] | None = None) -> list[dict]:
     """Per launch kind (lane/kind, "beside" where the other lane overlapped most of it): the latency model's
     prediction for each real launch against its measured duration, per launch (percentiles) and summed (the
-    busy time a queue sees). A
-    launch the other lane overlapped for a fraction ``o`` of its time is predicted as the fitted model reads a
-    co-run point: next to the other lane's launch that overlapped it most for that fraction and alone for the
-    rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a prefill joined near its end is
-    not taken for a whole co-run. ``rows``, if given, gets one dict per launch (``overlap`` = ``o``)."""
+    busy time a queue sees). A launch the other lane overlapped for a fraction ``o`` of its time is predicted
+    as the fitted model reads a co-run point: next to the other lane's launch that overlapped it most for that
+    fraction and alone for the rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a
+    prefill joined near its end is not taken for a whole co-run. ``launches`` in start order; ``rows``, if
+    given, gets one dict per launch (``overlap`` = ``o``)."""
     kinds: dict[str, list[tuple[float, float]]] = {}
-    for i, res in enumerate(results):
-        b = res.batch
-        w = work_of(b, num_layers)
+    for i, x in enumerate(launches):
+        w = x.work
         co, co_sms, best, covered = None, 0, 0.0, 0.0
-        for other in results[max(0, i - 8):i + 8]:
-            if other.batch.lane == b.lane:
+        for other in launches[max(0, i - 8):i + 8]:
+            if other.lane == x.lane:
                 continue
-            overlap = min(res.end, other.end) - max(res.start, other.start)
+            overlap = min(x.end, other.end) - max(x.start, other.start)
             covered += max(0.0, overlap)  # (one lane's launches do not overlap each other)
             if overlap > best:
-                co, co_sms, best = work_of(other.batch, num_layers), other.batch.partition.num_sms, overlap
-        sms = b.partition.num_sms
-        o = min(1.0, covered / max(res.end - res.start, 1e-12))
-        pred = alone = _predicted(latency, b, w, num_layers, None, 0)
+                co, co_sms, best = other.work, other.sms, overlap
+        o = min(1.0, covered / max(x.end - x.start, 1e-12))
+        pred = alone = _predicted(latency, x, num_layers, None, 0)
         if co is not None:
-            pred = partly_co_run(alone, _predicted(latency, b, w, num_layers, co, co_sms), o)
+            pred = partly_co_run(alone, _predicted(latency, x, num_layers, co, co_sms), o)
         kind = "decode" if w.tokens == w.seqs else ("prefill" if w.tokens > 4 * w.seqs else "mixed")
-        kind += " (sliced)" if b.layers.stop != num_layers or b.layers.start else ""
+        kind += " (sliced)" if x.layers.stop != num_layers or x.layers.start else ""
         side = " beside" if o > 0.5 else ""  # the other lane ran for most of it: contention's share
-        kinds.setdefault(f"{b.lane}/{kind}{side}", []).append((res.end - res.start, pred))
+        kinds.setdefault(f"{x.lane}/{kind}{side}", []).append((x.end - x.start, pred))
         if rows is not None:
             rows.append(dict(zip(LAUNCH_COLUMNS, (
-                res.start, f"{b.lane}/{kind}", sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
-                w.max_kv, w.samples, b.steps, co_sms, co.tokens if co else 0, round(o, 4),
-                (res.end - res.start) * 1e3, pred * 1e3), strict=True)))
+                x.start, f"{x.lane}/{kind}", x.sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
+                w.max_kv, w.samples, x.steps, co_sms, co.tokens if co else 0, round(o, 4),
+                (x.end - x.start) * 1e3, pred * 1e3), strict=True)))
     out = []
     for kind, pairs in sorted(kinds.items()):
         m = np.array([p[0] for p in pairs])
@@ -125,12 +144,11 @@ def launch_errors(results: Sequence[StepResult], latency: LatencyModel, num_laye
     return out
 
 
-def _predicted(latency: LatencyModel, b, w: Work, num_layers: int, co: Work | None, co_sms: int) -> float:
-    """Seconds the model gives launch ``b`` (its work ``w``) next to ``co`` on ``co_sms`` SMs (None: alone)."""
-    sms = b.partition.num_sms
-    if b.layers.stop == num_layers:
-        return float(step_times(latency, w, b.steps, sms, co, co_sms).sum())
-    return float(latency.predict(w, sms, co, co_sms))
+def _predicted(latency: LatencyModel, x: Launch, num_layers: int, co: Work | None, co_sms: int) -> float:
+    """Seconds the model gives launch ``x`` next to ``co`` on ``co_sms`` SMs (None: alone)."""
+    if x.layers.stop == num_layers:
+        return float(step_times(latency, x.work, x.steps, x.sms, co, co_sms).sum())
+    return float(latency.predict(x.work, x.sms, co, co_sms))
 
 
 def validate(make_requests: Callable[[], list[Request]], executor, model: ModelSpec, gpu: GpuSpec,
@@ -158,7 +176,8 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
                        slo, latency)
     rows: list[dict] = []
     rep = Report(real, sim_run.summary, compare(real, sim_run.summary),
-                 launch_errors(results, latency, model.num_layers, rows), launch_rows=rows)
+                 launch_errors([launch_of(r, model.num_layers) for r in results], latency, model.num_layers, rows),
+                 launch_rows=rows)
     for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
         cdf = rep.real_cdf if name == "real" else rep.sim_cdf
         for m in ("ttft", "tpot"):
@@ -189,20 +208,15 @@ def simulated_capacity(requests_at: Callable[[float], list[Request]], model: Mod
     return capacity(attainment, guess, target)[0]
 
 
-def write_launches(rep: Report, path) -> None:
-    """Every real launch as a CSV row: its work, the fraction of it the other lane overlapped, measured and
-    predicted ms."""
-    write_launch_rows(rep.launch_rows, path)
-
-
 def write_launch_rows(rows: list[dict], path) -> None:
-    """:func:`launch_errors`' rows as a CSV file (through a temporary file; a header only when there are none)."""
+    """:func:`launch_errors`' rows (every launch: its work, the fraction of it the other lane overlapped,
+    measured and predicted ms) as a CSV file, through a temporary file; a header only when there are none."""
     import csv
 
     from .metrics import atomic_write
 
     with atomic_write(path) as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else list(LAUNCH_COLUMNS))
+        w = csv.DictWriter(f, fieldnames=LAUNCH_COLUMNS)
         w.writeheader()
         w.writerows(rows)
 

@@ -155,7 +155,7 @@ def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
     ([0.75, 3], overlapped 0.75 of its 2.25 s: o = 1/3, 3 s alone and 4.5 s beside decode) 1 / (2/3 / 3 + 1/3 /
     4.5) = 3.375 s."""
     from bullet.batch import Batch, Chunk, Partition, StepResult
-    from bullet.validate import launch_errors
+    from bullet.validate import launch_errors, launch_of
 
     class Fake:
         def predict(self, w, n, co=None, co_sms=0):
@@ -170,7 +170,7 @@ def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
     pre = Batch(Partition("prefill", 92), range(L), (Chunk(2, 0, 64, (1, 2, 3, 4), True),))
     results = [StepResult(dec, 0.0, 1.5, [1.5], None), StepResult(pre, 0.75, 3.0, [3.0], None)]
     rows: list[dict] = []
-    kinds = {k["kind"]: k for k in launch_errors(results, Fake(), L, rows)}
+    kinds = {k["kind"]: k for k in launch_errors([launch_of(r, L) for r in results], Fake(), L, rows)}
     assert rows[0]["overlap"] == 0.5 and rows[0]["predicted_ms"] == pytest.approx(4000 / 3)
     # neither overlapped for most of its time: no "beside"; summed errors 4/3 vs 1.5 s and 3.375 vs 2.25 s
     assert set(kinds) == {"decode/decode", "prefill/prefill"}
@@ -179,7 +179,7 @@ def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
     # a decode launch wholly inside a prefill is "beside": 2 s predicted for 1 s measured; the prefill, half
     # overlapped, 1 / (0.5 / 3 + 0.5 / 4.5) = 3.6 s for 2 s
     inside = [StepResult(dec, 0.0, 1.0, [1.0], None), StepResult(pre, 0.0, 2.0, [2.0], None)]
-    kinds = {k["kind"]: k for k in launch_errors(inside, Fake(), L)}
+    kinds = {k["kind"]: k for k in launch_errors([launch_of(r, L) for r in inside], Fake(), L)}
     assert kinds["decode/decode beside"]["error_pct_sum"] == pytest.approx(100.0)
     assert kinds["prefill/prefill"]["error_pct_sum"] == pytest.approx(80.0)
     assert rows[1]["overlap"] == pytest.approx(1 / 3, abs=1e-4)

@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..batch import Batch, StepResult
 from ..engine import Engine
-from ..perfmodel import LatencyModel, work_of
+from ..perfmodel import LatencyModel, Work, work_of
 from ..perfmodel.base import step_times
+from ..validate import Launch, launch_errors, launch_of, write_launch_rows
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -25,9 +26,9 @@ GAP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025
 
 class ServerMetrics:
     def __init__(self, model_name: str, latency: LatencyModel, num_layers: int, keep_launches: bool = False) -> None:
-        """``keep_launches``: keep every launch's result for :meth:`write_launch_log` (``bullet run
-        --launch-log``; about 1 KB a launch)."""
-        self.launches: list[StepResult] | None = [] if keep_launches else None
+        """``keep_launches``: keep every launch (its lane, SMs, work and times: about 350 bytes) for
+        :meth:`write_launch_log` (``bullet run --launch-log``)."""
+        self.launches: list[Launch] | None = [] if keep_launches else None
         self.registry = reg = CollectorRegistry()
         m = ["model_name"]
         self.model_name = model_name
@@ -62,27 +63,27 @@ class ServerMetrics:
                              "time between back-to-back launches (results, planning, input preparation), which "
                              "a simulation does not have.", m + ["lane"], buckets=GAP_BUCKETS, registry=reg)
         self.latency, self.num_layers = latency, num_layers
-        self._flight: dict[str, tuple[Batch, float]] = {}  # lane -> (batch, predicted seconds)
+        self._flight: dict[str, tuple[Batch, float, Work]] = {}  # lane -> (batch, predicted seconds, work)
         self._last: dict[str, tuple[float, set[int]]] = {}  # lane -> (end of its last launch, its requests)
 
     # ---- engine thread ------------------------------------------------------------------------------
     def on_launch(self, batch: Batch) -> None:
         lane, sms = batch.lane, batch.partition.num_sms
-        co = next((b for ln, (b, _) in self._flight.items() if ln != lane), None)
+        co = next((b for ln, (b, _, _) in self._flight.items() if ln != lane), None)
         work = work_of(batch, self.num_layers)
         co_work, co_sms = (work_of(co, self.num_layers), co.partition.num_sms) if co is not None else (None, 0)
         if batch.steps > 1:
             t = float(step_times(self.latency, work, batch.steps, sms, co_work, co_sms).sum())
         else:
             t = float(self.latency.predict(work, sms, co_work, co_sms))
-        self._flight[lane] = (batch, t)
+        self._flight[lane] = (batch, t, work)
         self.lane_sms.labels(self.model_name, lane).set(sms)
 
     def on_step(self, res: StepResult) -> None:
-        if self.launches is not None:
-            self.launches.append(res)
         lane = res.batch.lane
-        _, predicted = self._flight.pop(lane, (None, None))
+        _, predicted, work = self._flight.pop(lane, (None, None, None))
+        if self.launches is not None:
+            self.launches.append(launch_of(res, self.num_layers, work))
         if predicted is not None:
             self.predicted.labels(self.model_name, lane).observe(predicted)
         self.measured.labels(self.model_name, lane).observe(res.end - res.start)
@@ -129,8 +130,6 @@ class ServerMetrics:
     def write_launch_log(self, path) -> int:
         """Every launch kept so far as a CSV row, in ``bullet validate``'s launches.csv columns (its work, the
         fraction the other lane overlapped, measured and predicted ms); returns how many."""
-        from ..validate import launch_errors, write_launch_rows
-
         rows: list[dict] = []
         launch_errors(sorted(self.launches or (), key=lambda r: r.start), self.latency, self.num_layers, rows)
         write_launch_rows(rows, path)
