@@ -8,7 +8,9 @@ Host time: calls enqueued while the GPU is held busy by a long sleep kernel (so 
 queue), median per call. GPU time: CUDA events around 20 calls after warm-up. Each backend's output is checked
 against a float32 reference first; a backend that cannot run the shape is reported as such.
 
-Then the serving conditions, default backend at ``--cond-length`` tokens: the call on the main thread or on a
+Then the serving conditions, default backend at ``--cond-length`` (+ 8) tokens: one call's time to its end for
+a length new to the process, again, and on a new thread (torch keeps cuDNN's attention plans per thread); the
+host time of the call on the main thread or on a
 worker thread (the live server's engine thread), on the default stream, on one nested-menu prefill partition's
 green-context stream, or alternating over four of them (bullet changes its prefill size slice by slice).
 py-spy of the live engine thread attributed about 0.4 ms to each such call (15 % of its samples) where the
@@ -123,6 +125,37 @@ def host_times(q, k, v, streams, calls: int = 64) -> list[float]:
     return out
 
 
+def first_calls(q, k, v, dev) -> None:
+    """Milliseconds of one call to its end (host and GPU) for a sequence length: its first call on this
+    thread, again, then the first and second calls on a new thread (torch keeps cuDNN's attention plans per
+    thread: a length warmed on one thread is new to another)."""
+    import threading
+
+    import torch
+
+    def timed() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        sdpa(q, k, v, None)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    rows = [("main", "first call of the length", timed()), ("main", "second call", timed())]
+
+    def work() -> None:
+        torch.cuda.set_device(dev)
+        rows.append(("new thread", "first call (length warm on main)", timed()))
+        rows.append(("new thread", "second call", timed()))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    print(f"\n| thread | call | ms to its end |   (n = {q.shape[2]}, default backend)")
+    print("|---|---|---:|")
+    for where, what, ms in rows:
+        print(f"| {where} | {what} | {ms:.2f} |", flush=True)
+
+
 def conditions(spec, n: int) -> None:
     """The second table: host time per call by thread and stream (see the module's docstring)."""
     import threading
@@ -132,10 +165,11 @@ def conditions(spec, n: int) -> None:
     from bullet.gpu.partitions import PartitionMenu
 
     H, KVH, D = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim
-    dev = torch.device("cuda")
-    q = torch.randn((1, H, n, D), device=dev, dtype=torch.bfloat16)
-    k = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16)
-    v = torch.randn((1, KVH, n, D), device=dev, dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q = torch.randn((1, H, n + 8, D), device=dev, dtype=torch.bfloat16)  # a length the first table did not run
+    k = torch.randn((1, KVH, n + 8, D), device=dev, dtype=torch.bfloat16)
+    v = torch.randn((1, KVH, n + 8, D), device=dev, dtype=torch.bfloat16)
+    first_calls(q, k, v, dev)
     menu = PartitionMenu.create(dev.index or 0)
     try:
         sizes = [x for x in menu.prefill if x < menu.num_sms]

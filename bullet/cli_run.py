@@ -152,6 +152,8 @@ def run(
     sys.setswitchinterval(0.001)
     try:
         run_http(server, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
+    except RuntimeError as e:
+        raise fail(str(e)) from None
     finally:
         if server.runner.join(5.0):  # not after a forced exit: the engine thread may still use the executor
             server.engine.executor.close()

@@ -339,6 +339,46 @@ def test_a_first_token_is_handed_over_before_the_next_launch():
     assert others and all(order[i - 1] == "launch" for i in others)
 
 
+def test_warm_up_runs_on_the_engine_thread_before_the_server_starts():
+    """torch keeps cuDNN's attention plans per thread: the executor warms up on the engine thread, the one that
+    serves, and the server answers only after it has; a warm-up that fails stops the start-up with its error
+    (run_http raises it; `bullet run` prints it as one line)."""
+    from bullet.server.app import run_http
+
+    server = build_server("tiny-llama", device="cpu", cache=CacheConfig(num_blocks=256))
+    ex, seen = server.runner._wait.inner, []
+    ex.warmup = lambda: seen.append(threading.current_thread().name) or time.sleep(0.2)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [s]}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not uv.started:
+            assert time.monotonic() < deadline and t.is_alive(), "the server did not start"
+            time.sleep(0.001)
+        assert seen == ["bullet-engine"]  # ran, once, on the engine thread, before the server started
+    finally:
+        uv.should_exit = True
+        t.join(60)
+        ex.close()
+
+    bad = build_server("tiny-llama", device="cpu", cache=CacheConfig(num_blocks=256))
+    bad_ex = bad.runner._wait.inner
+
+    def broken():
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    bad_ex.warmup = broken
+    try:
+        with pytest.raises(RuntimeError, match="start-up failed: RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"):
+            run_http(bad, port=free_port(), log_level="critical")
+    finally:
+        bad_ex.close()
+    assert bad.runner.join(5)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_the_kv(live, stream):
     before = live.metrics().get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0.0)

@@ -73,8 +73,8 @@ def build_server(model: str, *, device: str = "cpu", weights: str = "auto", toke
 
 def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: CacheConfig, sched: SchedulerConfig,
                     seed: int, use_graphs: bool):
-    """The GpuExecutor on ``device`` (CUDA or the CPU), warmed up, with the policy's graphs captured; and the
-    engine thread's initialiser (its CUDA device)."""
+    """The GpuExecutor on ``device`` (CUDA or the CPU), and the engine thread's initialiser: its CUDA device,
+    the executor's warm-up and the policy's decode graphs."""
     import torch
 
     from ..gpu.executor import GpuExecutor, prepare_graphs
@@ -92,16 +92,21 @@ def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: 
     num_blocks = cache.num_blocks or (CPU_NUM_BLOCKS if cpu else None)
     ex = GpuExecutor(spec, weights, device, block_size=cache.block_size, num_blocks=num_blocks,
                      gpu_memory_utilization=cache.gpu_memory_utilization, seed=seed, use_graphs=use_graphs)
-    try:
-        if ex.menu is not None and ex.menu.num_sms != gpu_spec.num_sms:
-            raise ConfigError(f"--gpu {gpu}: {gpu_spec.num_sms} SMs, but the device has {ex.menu.num_sms}")
+    if ex.menu is not None and ex.menu.num_sms != gpu_spec.num_sms:
+        ex.close()
+        raise ConfigError(f"--gpu {gpu}: {gpu_spec.num_sms} SMs, but the device has {ex.menu.num_sms}")
+
+    def thread_init() -> None:
+        # on the engine thread, which is the one that serves: torch keeps cuDNN's attention plans per
+        # thread, so plans built on another thread are built again at each new prompt length while serving
+        # (+15-70 ms on a first prefill slice on the H200, bench/RESULTS.md, thirteenth session)
+        if not cpu:
+            torch.cuda.set_device(ex.device)
         ex.warmup()
         if not cpu and use_graphs:  # decode graphs of the policy's partitions, before the first request
             prepare_graphs(ex, sched, gpu_spec)
-    except BaseException:
-        ex.close()
-        raise
-    return ex, None if cpu else (lambda: torch.cuda.set_device(ex.device))
+
+    return ex, thread_init
 
 
 __all__ = ["CPU_NUM_BLOCKS", "build_server"]

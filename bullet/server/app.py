@@ -275,7 +275,7 @@ class BulletServer:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.loop = asyncio.get_running_loop()
-        self.runner.start()
+        await self.loop.run_in_executor(None, self.runner.start)  # the engine thread warms up first
         try:
             yield
         finally:
@@ -562,4 +562,11 @@ def run_http(server: BulletServer, host: str = "127.0.0.1", port: int = 8000, dr
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_timeout + 5.0, lifespan="on")
-    _Server(config).run()
+    srv = _Server(config)
+    try:
+        srv.run()
+    except SystemExit:  # uvicorn exits when the start-up failed
+        if server.runner.error is None:
+            raise
+    if not srv.started and server.runner.error is not None:  # the engine thread's warm-up failed
+        raise RuntimeError(server.runner.error)

@@ -90,11 +90,17 @@ class EngineRunner:
         self._taking = True
         self._deadline: float | None = None  # wall clock (time.monotonic) after which held requests are aborted
         self._aborted_all = False
+        self._ready = threading.Event()  # set once thread_init has run (or failed)
         self._thread = threading.Thread(target=self._run, name="bullet-engine", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread and wait for its initialiser (``thread_init``: the GPU executor's warm-up,
+        which must run on the thread that serves); RuntimeError if it failed."""
         self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise RuntimeError(self.error)
 
     def submit(self, req: Request) -> None:
         """Queue ``req`` for the engine; EngineDead if the engine takes no more requests."""
@@ -130,6 +136,13 @@ class EngineRunner:
         try:
             if self.thread_init is not None:
                 self.thread_init()
+        except Exception as e:
+            log.exception("the engine thread's start-up failed")
+            self._die(f"the engine's start-up failed: {type(e).__name__}: {e}")
+            return
+        finally:
+            self._ready.set()
+        try:
             while True:
                 self._take(block=eng.idle)
                 if self._deadline is not None:
