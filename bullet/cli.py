@@ -253,6 +253,23 @@ def too_long(requests: list[Request], model: ModelSpec, blocks: int, block_size:
     return out
 
 
+def parse_host_gap(text: str) -> tuple[float, float] | None:
+    """``--host-gap``: None for 'auto' (the latency model's), (0, 0) for 'off', else 'A,B' in ms as seconds."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t == "off":
+        return (0.0, 0.0)
+    try:
+        vals = [float(x) for x in t.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) != 2 or not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise fail(f"--host-gap {text!r}: give 'auto', 'off' or 'A,B' (milliseconds, each >= 0: A per launch "
+                   "plus B per request)")
+    return vals[0] / 1e3, vals[1] / 1e3
+
+
 def reproduce_command(st: dict) -> str:
     """The ``bullet simulate`` command line that reruns a run from its recorded settings, every one explicit."""
     args = ["bullet", "simulate", "--trace", st["trace"], "--format", st["format"]]
@@ -269,6 +286,8 @@ def reproduce_command(st: dict) -> str:
         args.append("--skip-oversized")
     if st.get("fuse_window_ms") is not None:
         args += ["--fuse-window-ms", repr(st["fuse_window_ms"])]
+    if st.get("host_gap", "auto") != "auto":
+        args += ["--host-gap", st["host_gap"]]
     args += ["--policy", st["policy"], "--max-num-seqs", str(st["max_num_seqs"]),
              "--max-num-batched-tokens", str(st["max_num_batched_tokens"])]
     for flag, (param, _) in POLICY_FLAGS.items():
@@ -320,6 +339,11 @@ def simulate(
              "decode launches end this far ahead (and, on the whole GPU, a launch that samples a first token "
              "ends with it), to compare with a live server. [default: plan to the next arrival]",
         show_default=False, rich_help_panel=POLICY)] = None,
+    host_gap: Annotated[str, typer.Option(
+        help="The engine's host time before each launch starts on the GPU (reading results back, planning, "
+             "preparing inputs), 'A,B': A ms plus B ms per request of the launch; 'auto': the fitted latency "
+             "model's (`bullet profile` measures it, `bullet fit` fits it; none with the roofline); 'off': "
+             "none.", rich_help_panel=POLICY)] = "auto",
     policy: PolicyOpt = DEFAULT_POLICY,
     max_num_seqs: MaxNumSeqsOpt = DEFAULT_MAX_NUM_SEQS,
     max_batched_tokens: MaxBatchedTokensOpt = DEFAULT_MAX_BATCHED_TOKENS,
@@ -363,6 +387,7 @@ def simulate(
                  allow_inf=("--request-rate",))
     if fuse_window_ms is not None and fuse_window_ms <= 0:
         raise fail(f"--fuse-window-ms must be a positive number of milliseconds, got {fuse_window_ms:g}")
+    gap = parse_host_gap(host_gap)
     arrival, cv = arrival_settings(request_rate, arrival, cv, burstiness, given)
     if plot and out is None:
         raise fail("--plot needs --out DIR (the folder the PNG files go to)")
@@ -428,7 +453,8 @@ def simulate(
         try:
             result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo_cfg, latency=latency_backend,
                                     on_finish=advance, max_concurrency=max_concurrency, percentiles=percentiles,
-                                    live_window=None if fuse_window_ms is None else fuse_window_ms / 1e3)
+                                    live_window=None if fuse_window_ms is None else fuse_window_ms / 1e3,
+                                    host_gap=gap)
         except (ConfigError, RuntimeError, ValueError) as e:
             raise fail(str(e)) from None
     summary = result.summary
@@ -442,6 +468,7 @@ def simulate(
         "arrival": arrival.value if generated else None,
         "cv": cv if generated and arrival == Arrival.gamma else None, "seed": seed,
         "max_concurrency": max_concurrency, "skip_oversized": skip_oversized, "fuse_window_ms": fuse_window_ms,
+        "host_gap": host_gap,
         "policy": policy.value, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched_tokens,
         "prefill_sms": prefill_sms if policy.value == "static-split" else None,
         "layers_per_step": layers_per_step,
@@ -667,6 +694,13 @@ def print_fit_table(model: dict, console: Console) -> None:
     console.print(table)
     console.print("rand: a random 20 % of the points held out (seed {}); loso: each SM count held out in turn. "
                   "(*) not gated: host time counts through whole launches.".format(err["seed"]))
+    gap = model.get("host_gap")
+    if gap is not None:
+        pts = ", ".join(f"{n}: {g * 1e3:.3f} ms ({e:+.1f} %)"
+                        for n, g, e in zip(gap["seqs"], gap["gap_s"], gap["loo_error_pct"]))
+        console.print(f"host time between launches (gaps.csv): {gap['fixed_s'] * 1e3:.3f} ms + "
+                      f"{gap['per_request_s'] * 1e6:.2f} us a request; by batch size, measured (error left out "
+                      f"of the fit): {pts}", highlight=False)
 
 
 def slo_label(s: dict, preset: str | None) -> str:

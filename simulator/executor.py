@@ -39,7 +39,14 @@ class _Flight:
 
 
 class SimExecutor:
-    def __init__(self, latency: LatencyModel, num_layers: int, gpu: GpuSpec) -> None:
+    def __init__(self, latency: LatencyModel, num_layers: int, gpu: GpuSpec,
+                 host_gap: tuple[float, float] = (0.0, 0.0)) -> None:
+        """``host_gap`` (seconds fixed, seconds per request): the engine's host time before a launch starts
+        on the GPU (results read back, planning, inputs prepared: ``a + b * chunks``); the launch's lane is
+        taken from the launch call, its work starts that much later. (0, 0): launches start at once."""
+        if min(host_gap) < 0:
+            raise ValueError(f"host_gap must be >= 0, got {host_gap}")
+        self.host_gap = host_gap
         self._now = 0.0
         self._events: list[tuple[float, int, Lane]] = []  # (due, token, lane): tokens rise, so ties go in order
         self.num_sms = gpu.num_sms
@@ -69,7 +76,9 @@ class SimExecutor:
         check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
         now = self._now
         work = batch_work(self.latency, batch, self.num_layers)
-        f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, now, mark=now)
+        a, b = self.host_gap
+        begin = now + (a + b * len(batch.chunks)) if a or b else now
+        f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, begin, mark=begin)
         self._pending = None  # (pending since now: this re-time covers it, see _finish)
         if len(flights) == 1:
             self._time(lane, f, now, None, 0)
@@ -98,6 +107,14 @@ class SimExecutor:
                 f.cum = cum
         else:
             duration = float(self.latency.predict(f.work, f.sms, co, co_sms))
+        if now < f.start:  # still in its host gap: no work done yet, it starts at the new rate
+            f.duration = duration
+            end = f.start + duration
+            if end != f.end or not f.token:
+                self._tokens += 1
+                f.end, f.token = end, self._tokens
+                heappush(self._events, (end, f.token, lane))
+            return
         if f.duration:  # already running: conserve progress, change rate
             f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
             if f.knots is None:

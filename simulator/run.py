@@ -148,7 +148,8 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
              on_finish: Callable[[Request], None] | None = None, *, max_concurrency: int | None = None,
              percentiles: Sequence[float] = PERCENTILES, token_times: bool = False,
              watch: Callable[[Scheduler, list[Request]], None] | None = None,
-             timeline: bool = True, live_window: float | None = None) -> SimulationResult:
+             timeline: bool = True, live_window: float | None = None,
+             host_gap: tuple[float, float] | None = None) -> SimulationResult:
     """Serve ``requests`` on a virtual GPU. The requests are not changed: the simulation runs on fresh copies
     (:func:`fresh_copies`, whatever progress the inputs record is ignored), which ``SimulationResult.requests``
     returns, finished, in finishing order; ``on_finish`` sees the copies too. ``max_concurrency``: at most
@@ -160,7 +161,10 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     copies it serves, for a caller that follows their progress (``bullet whatif``'s early stop).
     ``timeline=False``: no per-launch rows (the summary's launch count and busy times are kept).
     ``live_window`` (seconds): plan as ``bullet run``'s engine thread does with that fuse window, not knowing
-    the next arrival (``serve``'s ``live_window``): to compare with a live server. The summary
+    the next arrival (``serve``'s ``live_window``): to compare with a live server. ``host_gap`` (seconds
+    fixed, seconds per request): the engine's host time before each launch starts (:class:`SimExecutor`);
+    None: the latency model's own (a fitted model's ``host_gap``, measured by ``bullet profile``), else none.
+    The summary
     records the configuration (scheduler, cache, SLOs, model, GPU,
     latency model, bullet version)."""
     t0 = time.perf_counter()
@@ -168,6 +172,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     cache, slo = cache or CacheConfig(), slo or SloConfig()
     base = latency or default_latency_model(model, gpu)
     latency = CachedLatency(base)
+    gap = host_gap if host_gap is not None else (getattr(base, "host_gap", None) or (0.0, 0.0))
     kv = BlockManager(cache.blocks_for(model, gpu), cache.block_size, cache.prefix_caching)
     scheduler = make_scheduler(sched, model, gpu, kv, latency, slo=slo)
     scheduler.keep_token_times(token_times)
@@ -179,7 +184,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
     gc_was_on = gc.isenabled()
     gc.disable()  # the loop allocates many small acyclic objects: collection passes cost time and free nothing
     try:
-        done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu), on_step=line.on_step,
+        done = serve(requests, front, SimExecutor(latency, model.num_layers, gpu, gap), on_step=line.on_step,
                      on_finish=on_finish, live_window=live_window)
     finally:
         if gc_was_on:
@@ -195,7 +200,7 @@ def simulate(requests: Sequence[Request], model: ModelSpec, gpu: GpuSpec, sched:
                    **scheduler.counters())
     summary["config"] = {"scheduler": _plain(asdict(sched)), "cache": asdict(cache), "tp": model.tp,
                          "max_concurrency": max_concurrency, "percentiles": list(percentiles),
-                         "live_window_s": live_window,
+                         "live_window_s": live_window, "host_gap_s": list(gap),
                          "bullet_version": __version__}
     wall = time.perf_counter() - t0
     summary["sim_wall_s"] = wall

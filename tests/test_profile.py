@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from bullet.cli import _gpu_short_name, app
 from bullet.config import GPUS, MODELS
-from bullet.gpu.profile import COLUMNS, grid, read_points, sampled_mixed
+from bullet.gpu.profile import COLUMNS, grid, read_gaps, read_points, sampled_mixed
 
 
 def run(out):
@@ -51,6 +51,12 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
                                   "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "dtype_bytes",
                                   "tp", "qkv_bias", "qk_norm")}
     assert meta["prefill_graphs"] == {"max_tokens": 512, "max_seqs": 64, "buckets": [16, 32, 64, 128, 256, 512]}
+    # the engine's host time between launches, per decode batch size (the CPU grid's sizes): 32 tokens each,
+    # the first from the prefill, then 31 one-step decode launches of every request: 30 gaps between them
+    gaps = read_gaps(out / "gaps.csv")
+    assert [g["seqs"] for g in gaps] == [1, 4, 16]
+    for g in gaps:
+        assert g["launches"] == 30 and 0 < g["gap_p10_s"] <= g["gap_s"] <= g["gap_p90_s"]
     # an interrupted write leaves a torn last line: it is dropped and that point measured again
     text = (out / "points.csv").read_text().splitlines(keepends=True)
     (out / "points.csv").write_text("".join(text[:-1]) + text[-1][:20])

@@ -11,9 +11,15 @@ host time spent in ``GpuExecutor.launch``, and the launch's :class:`~bullet.perf
 measured as loaded serving runs them (:data:`CORUN_PROTOCOL`): both lanes relaunched without a pause for a few
 seconds before the timed runs, so the GPU is at its power cap as it is in serving.
 
+Last, the engine's own host time between launches (:func:`measure_host_gaps`): ``serve()`` with the chunked
+policy on this executor, one decode step a launch, for several batch sizes; the time from one launch's end to
+the next one's start (results read back, the scheduler's bookkeeping and plan, inputs prepared) is what a
+simulation adds before each launch (``bullet fit`` fits it as a fixed and a per-request term).
+
 Output folder: ``points.csv`` (one row per point, appended and flushed as each is measured, so an interrupted
-profile keeps what it measured and a rerun skips it) and ``metadata.json`` (GPU, SMs, power limit, clocks,
-driver, CUDA, torch, Triton, bullet version and commit, date, grid). ``device="cpu"`` runs the same code on the
+profile keeps what it measured and a rerun skips it), ``gaps.csv`` (batch size, median / p10 / p90 gap,
+launches) and ``metadata.json`` (GPU, SMs, power limit, clocks, driver, CUDA, torch, Triton, bullet version and
+commit, date, grid). ``device="cpu"`` runs the same code on the
 host (tests; the tiny model), where lanes do not overlap.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -502,6 +509,73 @@ def _covered(decodes: list[StepResult], prefills: list[tuple[StepResult, float]]
     return steps, cover
 
 
+# ---------------------------------------------------------------------------------------------- host gaps
+GAP_SIZES = (1, 8, 32, 64, 128, 256)  # decode batch sizes whose launch-to-launch host time is measured
+GAP_COLUMNS = ("seqs", "gap_s", "gap_p10_s", "gap_p90_s", "launches")
+
+
+def measure_host_gaps(executor, sizes: Sequence[int] = GAP_SIZES, steps: int = 32, prompt: int = 64,
+                      first_id: int = 1 << 40) -> list[dict]:
+    """Per batch size ``n``: ``n`` requests of ``prompt`` tokens arrive at once and each generates ``steps``
+    tokens under the chunked policy with one decode step a launch (``serve()``, the engine every executor
+    runs under); the gaps between back-to-back decode launches of all ``n`` (one's end to the next one's
+    start, on the executor's clock) are summarised (median, p10, p90, count)."""
+    from ..config import GPUS, SchedulerConfig
+    from ..engine import serve
+    from ..perfmodel.base import CachedLatency
+    from ..perfmodel.roofline import RooflineModel
+    from ..policies import make_scheduler
+    from ..request import Request
+
+    spec = executor.spec
+    num_sms = (executor.menu or PartitionMenu.fallback()).num_sms
+    gpu = next((g for g in GPUS.values() if g.num_sms == num_sms), GPUS["h200"])
+    rows, rid = [], first_id
+    for n in sizes:
+        kv = BlockManager(executor.kv.num_blocks, executor.kv.block_size)
+        cfg = SchedulerConfig(policy="chunked", max_num_seqs=n, max_batched_tokens=max(2048, prompt),
+                              max_decode_steps=1)
+        sched = make_scheduler(cfg, spec, gpu, kv, CachedLatency(RooflineModel(spec, gpu)))
+        t = executor.now()
+        reqs = [Request(rid + i, t, prompt, steps) for i in range(n)]
+        rid += n
+        res: list[StepResult] = []
+        serve(reqs, sched, executor, on_step=res.append)
+        full = [r for r in res if len(r.batch.chunks) == n and all(c.num_tokens == 1 for c in r.batch.chunks)]
+        gaps = np.array([b.start - a.end for a, b in itertools.pairwise(full) if b.start >= a.end])
+        if len(gaps) < 3:
+            continue
+        rows.append({"seqs": n, "gap_s": float(np.median(gaps)), "gap_p10_s": float(np.percentile(gaps, 10)),
+                     "gap_p90_s": float(np.percentile(gaps, 90)), "launches": len(gaps)})
+    return rows
+
+
+def read_gaps(path: Path) -> list[dict]:
+    """The rows of a gaps.csv as numbers (ValueError naming the line and field for a bad one)."""
+    if not path.exists():
+        return []
+    out = []
+    with path.open(newline="") as f:
+        for i, r in enumerate(csv.DictReader(f), start=2):
+            try:
+                out.append({"seqs": int(r["seqs"]), "gap_s": float(r["gap_s"]),
+                            "gap_p10_s": float(r["gap_p10_s"]), "gap_p90_s": float(r["gap_p90_s"]),
+                            "launches": int(r["launches"])})
+            except (KeyError, TypeError, ValueError) as e:
+                field = e.args[0] if isinstance(e, KeyError) else "a value"
+                raise ValueError(f"{path}:{i}: bad or missing field {field!r}") from None
+    return out
+
+
+def write_gaps(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=GAP_COLUMNS)
+        w.writeheader()
+        w.writerows({k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+    os.replace(tmp, path)
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 def read_points(path: Path) -> list[dict]:
@@ -645,6 +719,9 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             measured += 1
         if on_point is not None:
             on_point(i + 1, len(pts), pt.id)
+    gaps = out / "gaps.csv"
+    if not gaps.exists():  # measured once, like the points (delete the file to measure again)
+        write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped

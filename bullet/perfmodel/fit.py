@@ -459,6 +459,25 @@ def in_sample(prof: Profile, model: dict) -> dict:
     return {fam: _stats(errs[fam]) for fam in FAMILY_ORDER if fam in errs}
 
 
+def fit_host_gap(rows: list[dict]) -> dict | None:
+    """The engine's host time between launches (``gaps.csv``), ``a + b * requests`` by non-negative least
+    squares on relative error, with each batch size's error when it is left out of the fit; None with fewer
+    than two sizes."""
+    if len(rows) < 2:
+        return None
+    n = np.array([r["seqs"] for r in rows], float)
+    g = np.array([r["gap_s"] for r in rows], float)
+    X = np.column_stack([np.ones_like(n), n])
+    a, b = _nnls(X, g)
+    loo = []
+    for i in range(len(rows)):
+        keep = np.arange(len(rows)) != i
+        ai, bi = _nnls(X[keep], g[keep])
+        loo.append(round(100 * ((ai + bi * n[i]) / g[i] - 1), 2))
+    return {"fixed_s": float(a), "per_request_s": float(b), "seqs": [int(x) for x in n],
+            "gap_s": [float(x) for x in g], "loo_error_pct": loo, "source": "gaps.csv"}
+
+
 def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
     """Load, evaluate held out, fit on every point; returns the model dict with its errors."""
     prof = load_profile(folder)
@@ -471,6 +490,14 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
                         "metadata": prof.meta}
     model["errors"] = {"seed": seed, "held_out": table, "in_sample": in_sample(prof, model),
                        "thresholds": THRESHOLDS, "gated": list(GATED), "failures": failures(table)}
+    from ..gpu.profile import read_gaps  # (no torch at import)
+
+    try:
+        gap = fit_host_gap(read_gaps(prof.folder / "gaps.csv"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if gap is not None:
+        model["host_gap"] = gap
     return model
 
 

@@ -370,6 +370,17 @@ class GraphLimits(NamedTuple):
         return work._replace(tokens=next(b for b in self.buckets if b >= work.tokens))
 
 
+def host_gap_of(entry: dict | None) -> tuple[float, float] | None:
+    """(seconds, seconds per request) of a model's ``host_gap`` entry (``bullet fit`` from ``gaps.csv``): the
+    engine's host time between a launch's end and the next launch's start; None where the model has none."""
+    if entry is None:
+        return None
+    a, b = float(entry["fixed_s"]), float(entry["per_request_s"])
+    if not (0 <= a < 1 and 0 <= b < 1):
+        raise ValueError(f"host_gap: fixed_s {a} and per_request_s {b} must be seconds in [0, 1)")
+    return a, b
+
+
 class FittedModel:
     """The fitted latency model: ``FittedModel.load(path, model=spec, gpu=gpu)``, or from the dict that
     ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
@@ -392,6 +403,7 @@ class FittedModel:
             fam = data["families"]
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
             self.graphs = GraphLimits.of(data.get("prefill_graphs"))
+            self.host_gap = host_gap_of(data.get("host_gap"))
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
