@@ -722,6 +722,10 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     gaps = out / "gaps.csv"
     if not gaps.exists():  # measured once, like the points (delete the file to measure again)
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
+        meta["gaps"] = {"measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                        "commit": meta.get("commit"), "policy": "chunked", "steps": 32, "prompt": 64}
+    elif old_gaps := (_old_meta(out) or {}).get("gaps"):
+        meta["gaps"] = old_gaps
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped
