@@ -701,10 +701,13 @@ class GpuExecutor:
         tokens = np.full((batch.steps, len(batch.chunks)), -1, dtype=np.int64)
         if dev is not None and len(f.cols):
             tokens[:, f.cols] = dev
-            for j, rid in enumerate(f.req_ids):
-                st = self._reqs.get(rid)
+            per_request = dev.T.tolist()  # Python ints, one list per request (a per-token int() loop cost
+            # ~0.1 ms a launch at 64 requests on the H200's host)
+            reqs = self._reqs
+            for rid, ids in zip(f.req_ids, per_request):
+                st = reqs.get(rid)
                 if st is not None:
-                    st.outputs.extend(int(t) for t in dev[:, j])
+                    st.outputs.extend(ids)
         return StepResult(batch, start, end, tuple(ends), tokens)
 
 
