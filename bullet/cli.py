@@ -555,7 +555,8 @@ def profile(
              "co-run points were measured by an older protocol (metadata.json's corun_protocol).")] = False,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
-    size and write points.csv + metadata.json: the measurements a fitted latency model is made from."""
+    size and write points.csv + metadata.json, then the engine's host time between launches by batch size
+    (gaps.csv; delete it to measure it again): the measurements a fitted latency model is made from."""
     try:
         spec = resolve_model(model)
     except ConfigError as e:
@@ -616,7 +617,8 @@ def fit(
     seed: Annotated[int, typer.Option(help="Seed of the random 20 % held-out split.")] = 0,
 ) -> None:
     """Fit the latency model to a profile: per-family non-negative regressions on physical terms (bytes,
-    FLOPs, GEMM waves, rows, context) by SM count, the host time of eager launches, and co-run slowdowns.
+    FLOPs, GEMM waves, rows, context) by SM count, the host time of eager launches, co-run slowdowns, and
+    (from gaps.csv, where the profile has one) the engine's host time between launches.
     Prints the held-out error (a random 20 % of the points, and each partition size left out in turn) and
     writes the model only if every kernel family is within 3 % MAPE and whole launches within 5 % mean and
     10 % p95 (exit 1 otherwise, unless --force)."""
