@@ -225,5 +225,6 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
                   f"{r['error_pct_p50']:+.1f}", f"{r['error_pct_p90']:+.1f}", f"{r['error_pct_sum']:+.1f}")
     console.print(k)
     console.print("p10-p90: error per launch; sum: all the kind's predicted time against all its measured time "
-                  "(what a queue sees); beside: the other lane ran for most of the launch")
+                  "(what a queue sees); beside: the other lane ran for most of the launch; host gap: a lane's "
+                  "time between back-to-back launches against the model's host_gap (the simulator's)")
     console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")

@@ -10,6 +10,7 @@ other row is shown for information.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -79,6 +80,10 @@ LAUNCH_COLUMNS = ("start_s", "kind", "sms", "layers", "tokens", "seqs", "attn_pa
                   "steps", "co_sms", "co_tokens", "overlap", "measured_ms", "predicted_ms")
 
 
+HOST_GAP_KIND = "host gap"  # launch_errors' row of the engine's own time between launches
+BACK_TO_BACK = 5e-3  # a lane relaunched within this after its launch ended was relaunched at once
+
+
 class Launch(NamedTuple):
     """What :func:`launch_errors` needs of one launch: its lane, SMs, layer range, fused steps, work, start
     and end (executor clock). 340-360 bytes a launch kept, where a kept StepResult holds its Batch's chunks and
@@ -107,7 +112,9 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
     as the fitted model reads a co-run point: next to the other lane's launch that overlapped it most for that
     fraction and alone for the rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a
     prefill joined near its end is not taken for a whole co-run. ``launches`` in start order; ``rows``, if
-    given, gets one dict per launch (``overlap`` = ``o``)."""
+    given, gets one dict per launch (``overlap`` = ``o``). A last row, :data:`HOST_GAP_KIND`, puts the
+    latency model's ``host_gap`` (``a + b x requests``; none: 0) against each lane's measured gaps between
+    back-to-back launches (under :data:`BACK_TO_BACK`: the engine relaunched at once, no waiting for work)."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for i, x in enumerate(launches):
         w = x.work
@@ -132,8 +139,15 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
                 x.start, f"{x.lane}/{kind}", x.sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
                 w.max_kv, w.samples, x.steps, co_sms, co.tokens if co else 0, round(o, 4),
                 (x.end - x.start) * 1e3, pred * 1e3), strict=True)))
+    gap = getattr(latency, "host_gap", None) or (0.0, 0.0)
+    for lane in sorted({x.lane for x in launches}):
+        mine = [x for x in launches if x.lane == lane]
+        for prev, x in itertools.pairwise(mine):
+            g = x.start - prev.end
+            if 0.0 <= g < BACK_TO_BACK:  # the engine relaunched the lane at once: its host time between
+                kinds.setdefault(HOST_GAP_KIND, []).append((g, gap[0] + gap[1] * x.work.seqs))
     out = []
-    for kind, pairs in sorted(kinds.items()):
+    for kind, pairs in sorted(kinds.items(), key=lambda kv: (kv[0] == HOST_GAP_KIND, kv[0])):  # the gap last
         m = np.array([p[0] for p in pairs])
         pr = np.array([p[1] for p in pairs])
         e = 100 * (pr - m) / np.maximum(m, 1e-12)

@@ -79,7 +79,10 @@ def test_validate_command_on_the_cpu(tmp_path):
     with open(tmp_path / "v" / "launches.csv") as f:
         launches = list(csv.DictReader(f))
     report = json.loads((tmp_path / "v" / "report.json").read_text())
-    assert len(launches) == sum(k["launches"] for k in report["launches"]) > 0
+    from bullet.validate import HOST_GAP_KIND
+
+    kinds = [k for k in report["launches"] if k["kind"] != HOST_GAP_KIND]  # (that row counts gaps)
+    assert len(launches) == sum(k["launches"] for k in kinds) > 0
     assert all(float(r["measured_ms"]) > 0 and float(r["predicted_ms"]) > 0 for r in launches)
     # every prompt token goes through exactly one launch that is not a pure decode launch
     assert sum(int(r["tokens"]) for r in launches if r["kind"] != "all/decode") >= 30 + 12 + 50 + 8 + 25
@@ -184,3 +187,32 @@ def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
     assert kinds["prefill/prefill"]["error_pct_sum"] == pytest.approx(80.0)
     assert rows[1]["overlap"] == pytest.approx(1 / 3, abs=1e-4)
     assert rows[1]["predicted_ms"] == pytest.approx(1e3 / ((2 / 3) / 3 + (1 / 3) / 4.5))
+
+
+def test_launch_errors_put_the_models_host_gap_against_back_to_back_launches():
+    """Decode launches of 2 requests ending at 1.000 s and restarting 1.0004 s, then 2.0004 -> 2.0010 s (0.4 and
+    0.6 ms gaps); one restarting 6 ms after an end is waiting for work, not a gap. With host_gap 0.3 ms + 0.05 ms
+    a request the model says 0.4 ms each: errors 0 % and -33.3 %, 0.8 against 1.0 ms summed (-20 %)."""
+    from bullet.batch import Batch, Chunk, Partition, StepResult
+    from bullet.validate import HOST_GAP_KIND, launch_errors, launch_of
+
+    class Gapped:
+        host_gap = (3e-4, 5e-5)
+
+        def predict(self, w, n, co=None, co_sms=0):
+            return 1.0
+
+        def decode_steps(self, w, steps, n, co=None, co_sms=0):
+            return np.full(steps, 1.0)
+
+    L = SPEC.num_layers
+    dec = Batch(Partition("decode", 40), range(L), (Chunk(1, 99, 1, (0,), True), Chunk(2, 50, 1, (1,), True)))
+    spans = [(0.0, 1.0), (1.0004, 2.0004), (2.0010, 3.0010), (3.0070, 4.0070)]
+    launches = [launch_of(StepResult(dec, a, b, [b], None), L) for a, b in spans]
+    gap = {k["kind"]: k for k in launch_errors(launches, Gapped(), L)}[HOST_GAP_KIND]
+    assert gap["launches"] == 2 and gap["measured_ms_p50"] == pytest.approx(0.5)
+    assert gap["error_pct_sum"] == pytest.approx(-20.0)
+    assert gap["error_pct_p10"] == pytest.approx(-100 / 3 + 0.1 * 100 / 3)  # numpy's linear interpolation
+    # a model without a host gap predicts none: -100 %
+    del Gapped.host_gap
+    assert {k["kind"]: k for k in launch_errors(launches, Gapped(), L)}[HOST_GAP_KIND]["error_pct_sum"] == -100.0
