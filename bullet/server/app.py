@@ -240,7 +240,13 @@ class BulletServer:
                 loop.call_soon_threadsafe(self._dispatch, updates)
 
     def _dispatch(self, updates: list[Update]) -> None:
-        m = self.metrics
+        m, seen = self.metrics, self._last_token
+        first = [u for u in updates if u.token_times and u.request.id not in seen]
+        if first and len(first) < len(updates):  # first tokens first: their streams wake before the others'
+            # (each woken stream costs the event loop tens of us; a first token behind 60 streams of a step
+            # waited ~3 ms on this VM, bench/RESULTS.md)
+            rest = [u for u in updates if not (u.token_times and u.request.id not in seen)]
+            updates = first + rest
         for u in updates:
             req, rid = u.request, u.request.id
             if u.token_times:
