@@ -163,13 +163,14 @@ async def send(client, cfg: BenchConfig, rec: Record, now: Callable[[], float]) 
     import httpx
 
     req = rec.request
+    body = json.dumps(payload(rec, cfg)).encode()  # before the clock starts: a long prompt's ids take a while
+    headers = {**_headers(cfg.api_key), "content-type": "application/json"}
     req.arrival = now()
     times = req.token_times
     pieces: list[str] = []
     done, finish, usage = False, None, None
     try:
-        async with client.stream("POST", cfg.base_url + cfg.endpoint, json=payload(rec, cfg),
-                                 headers=_headers(cfg.api_key)) as resp:
+        async with client.stream("POST", cfg.base_url + cfg.endpoint, content=body, headers=headers) as resp:
             if resp.status_code != 200:
                 req.error = _error_text(resp.status_code, await resp.aread())
                 return
