@@ -79,7 +79,13 @@ def test_a_bad_gaps_file_names_its_line_and_field(tmp_path):
 
     path = tmp_path / "gaps.csv"
     path.write_text("seqs,gap_s,gap_p10_s,gap_p90_s,launches\n1,0.0005,0.0004,0.0006,30\n8,fast,0.1,0.2,30\n")
-    with pytest.raises(ValueError, match=r"gaps.csv:3: bad or missing field"):
+    with pytest.raises(ValueError, match=r"gaps.csv:3: field 'gap_s': 'fast' is not a number"):
+        read_gaps(path)
+    path.write_text("seqs,gap_s,gap_p10_s,gap_p90_s,launches\n1,-0.0005,0.0004,0.0006,30\n")
+    with pytest.raises(ValueError, match=r"gaps.csv:2: field 'gap_s': '-0.0005' is out of range"):
+        read_gaps(path)
+    path.write_text("seqs,gap_s,gap_p10_s,gap_p90_s\n1,0.0005,0.0004,0.0006\n")
+    with pytest.raises(ValueError, match=r"gaps.csv:2: field 'launches': None is not a number"):
         read_gaps(path)
 
 

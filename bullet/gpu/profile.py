@@ -557,13 +557,16 @@ def read_gaps(path: Path) -> list[dict]:
     out = []
     with path.open(newline="") as f:
         for i, r in enumerate(csv.DictReader(f), start=2):
-            try:
-                out.append({"seqs": int(r["seqs"]), "gap_s": float(r["gap_s"]),
-                            "gap_p10_s": float(r["gap_p10_s"]), "gap_p90_s": float(r["gap_p90_s"]),
-                            "launches": int(r["launches"])})
-            except (KeyError, TypeError, ValueError) as e:
-                field = e.args[0] if isinstance(e, KeyError) else "a value"
-                raise ValueError(f"{path}:{i}: bad or missing field {field!r}") from None
+            row = {}
+            for col in GAP_COLUMNS:
+                kind = int if col in ("seqs", "launches") else float
+                try:
+                    row[col] = v = kind(r.get(col) or "")
+                except ValueError:
+                    raise ValueError(f"{path}:{i}: field {col!r}: {r.get(col)!r} is not a number") from None
+                if not v >= (1 if kind is int else 0) or v == float("inf"):
+                    raise ValueError(f"{path}:{i}: field {col!r}: {r.get(col)!r} is out of range") from None
+            out.append(row)
     return out
 
 

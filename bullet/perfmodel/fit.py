@@ -481,6 +481,12 @@ def fit_host_gap(rows: list[dict]) -> dict | None:
 def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
     """Load, evaluate held out, fit on every point; returns the model dict with its errors."""
     prof = load_profile(folder)
+    from ..gpu.profile import read_gaps  # (no torch at import)
+
+    try:
+        gaps = read_gaps(prof.folder / "gaps.csv")  # read first: a bad file fails before the long evaluation
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     table = evaluate(prof, seed, on_fold=on_fold)
     if on_fold is not None:
         on_fold("all points")
@@ -490,12 +496,7 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
                         "metadata": prof.meta}
     model["errors"] = {"seed": seed, "held_out": table, "in_sample": in_sample(prof, model),
                        "thresholds": THRESHOLDS, "gated": list(GATED), "failures": failures(table)}
-    from ..gpu.profile import read_gaps  # (no torch at import)
-
-    try:
-        gap = fit_host_gap(read_gaps(prof.folder / "gaps.csv"))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    gap = fit_host_gap(gaps)
     if gap is not None:
         model["host_gap"] = gap
     return model
