@@ -130,9 +130,9 @@ def bench(
     from .traces import TraceError, materialize_prompt_ids
 
     try:
-        import httpx  # noqa: F401
+        import aiohttp  # noqa: F401
     except ImportError:
-        raise fail("bullet bench needs httpx: pip install -e '.[bench]'") from None
+        raise fail("bullet bench needs aiohttp: pip install -e '.[bench]'") from None
     given = given_flags(ctx)
     check_finite({"--request-rate": request_rate, "--cv": cv, "--burstiness": burstiness,
                   "--temperature": temperature, "--request-timeout": request_timeout}, allow_inf=("--request-rate",))

@@ -22,7 +22,8 @@ from bullet.request import Request
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
+pytest.importorskip("httpx")  # the tests talk to servers with it
+pytest.importorskip("aiohttp")
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bullet import loadgen
