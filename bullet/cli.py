@@ -754,6 +754,9 @@ def print_summary(s: dict, console: Console) -> None:
     if "latency_model" in s:
         tput.add_row("latency model", re.sub(r"^fitted: profiles/([^/]+/[^/]+)/model\.json$", r"fitted (shipped, \1)",
                                              s["latency_model"]))
+    gap = s.get("config", {}).get("host_gap_s")
+    if gap and any(gap):
+        tput.add_row("host time before each launch", f"{gap[0] * 1e3:.2f} ms + {gap[1] * 1e6:.1f} us a request")
     if s.get("prefix_caching"):
         tput.add_row("prefix cache hit rate",
                      f"{100 * s['prefix_cache_hit_rate']:.1f} % ({s['prefix_cache_hit_tokens']:,} of "
