@@ -356,18 +356,29 @@ PolicyName = Literal["chunked", "prefill-first", "static-split", "naive-concurre
 POLICIES: tuple[str, ...] = ("chunked", "prefill-first", "static-split", "naive-concurrent", "bullet")
 
 
+BULLET_LAYERS_PER_STEP = 8  # bullet's prefill slice when layers_per_step is not given
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     policy: PolicyName = "chunked"
     max_num_seqs: int = 256  # running requests at most
     max_batched_tokens: int = 8192  # token budget of one step (the chunk size for prefill-first)
     prefill_sms: int = 92  # static-split: SMs of the prefill lane (the nested menu's); decode gets the rest
-    layers_per_step: int | None = None  # split lanes: prefill layers per launch (None: all)
+    layers_per_step: int | None = None  # split lanes: prefill layers per launch (None: all; bullet: 8)
     max_decode_steps: int = 1 << 30  # cap on decode steps fused into one launch (between events)
     # bullet: a predicted decode step must fit each request's TPOT budget with this much to spare (model error)
     slo_margin: float = 0.1
     admission_control: bool = False  # bullet: reject at once a request predicted to miss its TTFT (else best-effort)
     decode_sizes: tuple[int, ...] | None = None  # bullet: the decode partition sizes it may use (None: the menu)
+
+    def prefill_layers(self, num_layers: int) -> int:
+        """Layers of one prefill launch: ``layers_per_step``; unset, bullet's slice (:data:`BULLET_LAYERS_PER_STEP`)
+        and every other policy's whole forward. The policy slices so, and the GPU executor captures its prefill
+        graphs for those slices (``prepare_graphs``)."""
+        if self.layers_per_step:
+            return self.layers_per_step
+        return BULLET_LAYERS_PER_STEP if self.policy == "bullet" else num_layers
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -160,6 +160,33 @@ def test_prepare_graphs_captures_each_policys_lanes_and_ranges(weights):
         ex.close()
 
 
+def test_prepare_graphs_captures_bullets_default_slices():
+    """bullet slices prefill 8 layers at a time when --layers-per-step is not given, and prepare_graphs captures
+    graphs for those slices (it captured only whole forwards, so every slice of a live bullet server ran
+    eagerly). Llama-3.1-8B's 32 layers: four slices and the whole forward, on each decode size's complement."""
+    from bullet.gpu.executor import prepare_graphs
+
+    class Recorder:  # the executor's capture calls, no model
+        spec, graph_buckets, _graphs, prefill_graphs = MODELS["llama-3.1-8b"], (1, 2), {}, {}
+
+        def __init__(self):
+            self.prefill, self.decode = [], []
+
+        def capture(self, lane, sms, sizes):
+            self.decode.append((lane, sms))
+
+        def capture_prefill(self, lane, sms, layer_ranges):
+            self.prefill.append((lane, sms, list(layer_ranges)))
+
+    cfg = SchedulerConfig(policy="bullet", decode_sizes=(16, 40))
+    assert cfg.prefill_layers(32) == 8 and SchedulerConfig(policy="static-split").prefill_layers(32) == 32
+    ex = Recorder()
+    prepare_graphs(ex, cfg, GPUS["h200"])
+    want = [range(8), range(8, 16), range(16, 24), range(24, 32), range(32)]
+    assert ex.prefill == [("prefill", 116, want), ("prefill", 92, want), ("prefill", 132, want)]
+    assert ex.decode == [("decode", 16), ("decode", 40), ("decode", 132)]
+
+
 def test_preemption_recompute_matches_reference(weights):
     """A pool too small for everyone: preempted requests recompute prompt and outputs they already have."""
     reqs = [Request(i, 0.0, 10 + 3 * i, 8) for i in range(6)]

@@ -718,7 +718,7 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
     decode sizes and the whole GPU; its ranges the ``layers_per_step`` slices and the whole forward (a launch
     the menu or the ranges miss runs eagerly). Returns how many graphs each kind has."""
     N, L = gpu.num_sms, ex.spec.num_layers
-    step = cfg.layers_per_step or L
+    step = cfg.prefill_layers(L)  # (bullet: its 8-layer slices when not told otherwise)
     slices = [range(i, min(i + step, L)) for i in range(0, L, step)]
     if cfg.policy in ("chunked", "prefill-first"):
         decode, pre = [("all", N)], [("all", N, [range(L)])]

@@ -59,7 +59,6 @@ BORROW_PACE = 0.95  # a loan leaves the request's other remaining steps this fra
 BORROW_CAP = 1.3  # ... and is at most this many TPOT targets for one step
 BORROW_SEATS = 0.75  # no loans while this fraction of max_num_seqs is running (slow decode holds seats)
 EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token prefill time is this close to the best
-DEFAULT_LAYERS_PER_STEP = 8
 KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
 IDLE_KNEE = 0.5  # ... and, with nobody waiting behind the prefill job, within this fraction
 WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
@@ -179,7 +178,7 @@ class Bullet(LayerSliced):
         if bad:
             raise ConfigError(f"decode_sizes {bad} are not on {gpu.name}'s decode menu ({', '.join(map(str, menu))})")
         self.dec_sizes = sorted(sizes)
-        self.layers_step = cfg.layers_per_step or DEFAULT_LAYERS_PER_STEP
+        self.layers_step = cfg.prefill_layers(self.model.num_layers)
         self.deadline: dict[int, float] = {}
         self.target: dict[int, float] = {}
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight

@@ -40,7 +40,7 @@ class StaticSplit(LayerSliced):
                 return None
             self.job = (tuple(chunks), reqs, 0)
         chunks, reqs, first = self.job
-        step = self.cfg.layers_per_step or self.model.num_layers
+        step = self.cfg.prefill_layers(self.model.num_layers)
         batch = Batch(self.prefill_part, range(first, min(first + step, self.model.num_layers)), chunks)
         decode = self.inflight.get("decode")
         co = batch_work(self.latency, decode[0], self.model.num_layers) if decode else None
