@@ -1,5 +1,6 @@
 """SimExecutor: the Executor protocol on a virtual clock. A launch must ask for a partition of the GPU's nested
-menu that is disjoint from the other lane's (``check_launch``: the same rule as the GpuExecutor's). A launch ends at ``now + predicted time``, where
+menu that is disjoint from the other lane's (``check_launch``: the same rule as the GpuExecutor's). A launch ends at ``now + host gap +
+predicted time`` (the host gap: the engine's own time before the launch's work starts, ``host_gap``; none by default), where
 the prediction accounts for what co-runs on the other lane; when the co-runner changes mid-flight, the
 remaining work is re-timed at the new rate (progress is conserved), so contention is modelled both ways.
 
