@@ -510,7 +510,7 @@ def _covered(decodes: list[StepResult], prefills: list[tuple[StepResult, float]]
 
 
 # ---------------------------------------------------------------------------------------------- host gaps
-GAP_SIZES = (1, 8, 32, 64, 128, 256)  # decode batch sizes whose launch-to-launch host time is measured
+GAP_SIZES = (1, 8, 16, 32, 64, 96, 128, 192, 256)  # decode batch sizes whose launch-to-launch host time is measured
 GAP_COLUMNS = ("seqs", "gap_s", "gap_p10_s", "gap_p90_s", "launches")
 
 
