@@ -88,7 +88,7 @@ from .cli_options import (
     slo_name,
 )
 from .cli_trace import ArrivalChoice as Arrival
-from .cli_trace import fail, parse_sizes, trace_app
+from .cli_trace import fail, parse_host_gap, parse_sizes, trace_app
 from .config import CacheConfig, ConfigError, ModelSpec, SchedulerConfig, resolve_gpu, resolve_model
 from .request import Request
 
@@ -251,23 +251,6 @@ def too_long(requests: list[Request], model: ModelSpec, blocks: int, block_size:
                    f"({blocks}; see --gpu-memory-utilization, --num-gpu-blocks-override)")
         out.append((r, why))
     return out
-
-
-def parse_host_gap(text: str) -> tuple[float, float] | None:
-    """``--host-gap``: None for 'auto' (the latency model's), (0, 0) for 'off', else 'A,B' in ms as seconds."""
-    t = text.strip().lower()
-    if t == "auto":
-        return None
-    if t == "off":
-        return (0.0, 0.0)
-    try:
-        vals = [float(x) for x in t.split(",")]
-    except ValueError:
-        vals = []
-    if len(vals) != 2 or not all(math.isfinite(v) and v >= 0 for v in vals):
-        raise fail(f"--host-gap {text!r}: give 'auto', 'off' or 'A,B' (milliseconds, each >= 0: A per launch "
-                   "plus B per request)")
-    return vals[0] / 1e3, vals[1] / 1e3
 
 
 def reproduce_command(st: dict) -> str:

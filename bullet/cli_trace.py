@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from enum import Enum
 from pathlib import Path
@@ -160,3 +161,20 @@ def generate(
         f"wrote {s['count']:,} requests to {escape(str(out))}: span {_fmt(s['span_s'], 1)} s, "
         f"rate {_fmt(s['rate'], 3)} req/s, input mean {s['input_mean']:.0f}, output mean "
         f"{s['output_mean']:.0f} tokens")
+
+
+def parse_host_gap(text: str) -> tuple[float, float] | None:
+    """``--host-gap``: None for 'auto' (the latency model's), (0, 0) for 'off', else 'A,B' in ms as seconds."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t == "off":
+        return (0.0, 0.0)
+    try:
+        vals = [float(x) for x in t.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) != 2 or not all(math.isfinite(v) and v >= 0 for v in vals):
+        raise fail(f"--host-gap {text!r}: give 'auto', 'off' or 'A,B' (milliseconds, each >= 0: A per launch "
+                   "plus B per request)")
+    return vals[0] / 1e3, vals[1] / 1e3

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_trace import fail, parse_sizes
+from .cli_trace import fail, parse_host_gap, parse_sizes
 from .config import POLICIES, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 
 
@@ -61,6 +61,9 @@ def validate(
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory to use.")] = 0.85,
     max_error: Annotated[float, typer.Option(help="Exit with code 1 if the simulator misses the mean or p90 "
                                                   "TTFT or TPOT by more than this many percent.")] = 5.0,
+    host_gap: Annotated[str, typer.Option(
+        help="The simulator's host time before each launch: 'auto' (the fitted model's), 'off', or 'A,B' (A ms "
+             "plus B ms per request), as `bullet simulate --host-gap`.")] = "auto",
     warmup: Annotated[bool, typer.Option(help="Build prefill attention plans before serving.")] = True,
     prefill_graphs: Annotated[bool, typer.Option(
         help="Capture prefill/mixed-launch CUDA graphs (token buckets up to 512) for the policy's partitions "
@@ -80,6 +83,7 @@ def validate(
         raise fail(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if out is not None and out.exists() and not out.is_dir():
         raise fail(f"--out {out}: exists and is not a folder")
+    gap = parse_host_gap(host_gap)
     try:
         from simulator.run import latency_model
 
@@ -137,7 +141,8 @@ def validate(
             for tr in traces:
                 with console.status(f"{tr}: the simulated capacity of {policy}"):
                     cap = lib.simulated_capacity(lambda rt, tr=tr: requests_of(tr, rt)(), spec, gpu_spec, cfg, slo,
-                                                 lat, ex.kv.num_blocks, ex.kv.block_size, prefix_caching)
+                                                 lat, ex.kv.num_blocks, ex.kv.block_size, prefix_caching,
+                                                 host_gap=gap)
                 caps[tr] = cap
                 if not 0 < cap < float("inf"):
                     why = "for < 90 % of requests at any rate" if cap <= 0 else "even with every request at once"
@@ -151,7 +156,7 @@ def validate(
             with console.status(f"run {i}/{len(runs)} ({where}): serving {num_requests} requests, then "
                                 f"simulating them"):
                 rep = lib.validate(make, ex, spec, gpu_spec, cfg, slo, lat, ex.kv.num_blocks,
-                                   ex.kv.block_size, prefix_caching)
+                                   ex.kv.block_size, prefix_caching, host_gap=gap)
             reports.append((tr, rt, rep))
             title = f"{policy} · {spec.name} · {where} · {num_requests} requests"
             if out is not None:

@@ -105,7 +105,7 @@ def launch_of(res: StepResult, num_layers: int, work: Work | None = None) -> Lau
 
 
 def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers: int,
-                  rows: list[dict] | None = None) -> list[dict]:
+                  rows: list[dict] | None = None, host_gap: tuple[float, float] | None = None) -> list[dict]:
     """Per launch kind (lane/kind, "beside" where the other lane overlapped most of it): the latency model's
     prediction for each real launch against its measured duration, per launch (percentiles) and summed (the
     busy time a queue sees). A launch the other lane overlapped for a fraction ``o`` of its time is predicted
@@ -113,7 +113,7 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
     fraction and alone for the rest (:func:`~bullet.perfmodel.base.partly_co_run`), so a decode stretch that a
     prefill joined near its end is not taken for a whole co-run. ``launches`` in start order; ``rows``, if
     given, gets one dict per launch (``overlap`` = ``o``). A last row, :data:`HOST_GAP_KIND`, puts the
-    latency model's ``host_gap`` (``a + b x requests``; none: 0) against each lane's measured gaps between
+    latency model's ``host_gap`` (or ``host_gap`` given: ``a + b x requests``; none: 0) against each lane's measured gaps between
     back-to-back launches (under :data:`BACK_TO_BACK`: the engine relaunched at once, no waiting for work)."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for i, x in enumerate(launches):
@@ -139,7 +139,7 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
                 x.start, f"{x.lane}/{kind}", x.sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
                 w.max_kv, w.samples, x.steps, co_sms, co.tokens if co else 0, round(o, 4),
                 (x.end - x.start) * 1e3, pred * 1e3), strict=True)))
-    gap = getattr(latency, "host_gap", None) or (0.0, 0.0)
+    gap = host_gap if host_gap is not None else (getattr(latency, "host_gap", None) or (0.0, 0.0))
     for lane in sorted({x.lane for x in launches}):
         mine = [x for x in launches if x.lane == lane]
         for prev, x in itertools.pairwise(mine):
@@ -167,9 +167,9 @@ def _predicted(latency: LatencyModel, x: Launch, num_layers: int, co: Work | Non
 
 def validate(make_requests: Callable[[], list[Request]], executor, model: ModelSpec, gpu: GpuSpec,
              sched: SchedulerConfig, slo: SloConfig, latency: LatencyModel, num_blocks: int, block_size: int,
-             prefix_caching: bool = False) -> Report:
+             prefix_caching: bool = False, host_gap: tuple[float, float] | None = None) -> Report:
     """Serve ``make_requests()`` on ``executor`` (arrivals shifted to its clock), then simulate a fresh copy
-    with the same scheduler config, KV pool and latency model; compare."""
+    with the same scheduler config, KV pool and latency model (and ``host_gap``: None, the model's); compare."""
     from simulator.run import simulate
 
     reqs = make_requests()
@@ -187,10 +187,11 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
     real = summarize(done, slo, busy, real_cols)
     sim_run = simulate(make_requests(), model, gpu, sched,
                        CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching),
-                       slo, latency)
+                       slo, latency, host_gap=host_gap)
     rows: list[dict] = []
     rep = Report(real, sim_run.summary, compare(real, sim_run.summary),
-                 launch_errors([launch_of(r, model.num_layers) for r in results], latency, model.num_layers, rows),
+                 launch_errors([launch_of(r, model.num_layers) for r in results], latency, model.num_layers, rows,
+                               tuple(sim_run.summary["config"]["host_gap_s"])),
                  launch_rows=rows)
     for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
         cdf = rep.real_cdf if name == "real" else rep.sim_cdf
@@ -203,7 +204,7 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
 def simulated_capacity(requests_at: Callable[[float], list[Request]], model: ModelSpec, gpu: GpuSpec,
                        sched: SchedulerConfig, slo: SloConfig, latency: LatencyModel, num_blocks: int,
                        block_size: int, prefix_caching: bool = False, target: float = 0.9,
-                       guess: float = 1.0) -> float:
+                       guess: float = 1.0, host_gap: tuple[float, float] | None = None) -> float:
     """The highest request rate at which at least ``target`` of ``requests_at(rate)`` meet both SLOs in the
     simulator, with this policy, KV pool and latency model (bisection to 2 %, ``simulator.capacity``): what
     ``bullet validate --load`` scales its rates by, so that "light, medium, near capacity" mean that for the
@@ -214,8 +215,8 @@ def simulated_capacity(requests_at: Callable[[float], list[Request]], model: Mod
     cache = CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching)
 
     def attainment(rate: float) -> float:
-        return simulate(requests_at(rate), model, gpu, sched, cache, slo, latency,
-                        timeline=False).summary["slo_attainment"]
+        return simulate(requests_at(rate), model, gpu, sched, cache, slo, latency, timeline=False,
+                        host_gap=host_gap).summary["slo_attainment"]
 
     if attainment(1e9) >= target:  # every request at once still meets the SLOs
         return float("inf")

@@ -71,9 +71,12 @@ def test_validate_command_on_the_cpu(tmp_path):
     report = json.loads(res.stdout)
     assert report["worst_gated_error"] > 0.05
     assert report["real"]["requests"] == report["sim"]["requests"] == 5
-    res = runner.invoke(app, [*args, "--max-error", "1e9", "--out", str(tmp_path / "v")])
+    assert report["sim"]["config"]["host_gap_s"] == [0.0, 0.0]  # the roofline has none
+    res = runner.invoke(app, [*args, "--max-error", "1e9", "--out", str(tmp_path / "v"), "--host-gap", "0.5,0.01"])
     assert res.exit_code == 0, res.output
     assert "TTFT p90" in res.output and (tmp_path / "v" / "report.json").exists()
+    assert json.loads((tmp_path / "v" / "report.json").read_text())["sim"]["config"]["host_gap_s"] == \
+        pytest.approx([5e-4, 1e-5])
     import csv
 
     with open(tmp_path / "v" / "launches.csv") as f:
@@ -89,7 +92,7 @@ def test_validate_command_on_the_cpu(tmp_path):
     (tmp_path / "file").write_text("")
     for bad, msg in ((["--policy", "nope"], "--policy must be one of"), (["--out", str(tmp_path / "file")],
                                                                         "not a folder"),
-                     (["--max-prompt", "5"], "no requests left")):
+                     (["--max-prompt", "5"], "no requests left"), (["--host-gap", "x"], "--host-gap 'x'")):
         res = runner.invoke(app, [*args, *bad])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
 
