@@ -28,6 +28,7 @@ differs from the simulation is the live path's own cost.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import subprocess
@@ -74,12 +75,16 @@ def server_means(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def launch_summary(path: Path, policy: str) -> str:
+def launch_summary(path: Path, policy: str, host_gap: tuple[float, float] | None = None) -> str:
     """The server's --launch-log, summed per launch kind (lane/kind, alone or beside the other lane for most of
-    its time): launches, predicted and measured seconds."""
+    its time): launches, predicted and measured seconds; and each lane's gaps between back-to-back launches
+    (`bullet.validate.BACK_TO_BACK`) against the simulator's ``host_gap`` (a, b: a + b x requests)."""
     import csv
 
+    from bullet.validate import BACK_TO_BACK
+
     sums: dict[str, list[float]] = {}
+    lanes: dict[str, list[tuple[float, float, int]]] = {}
     with path.open() as f:
         for r in csv.DictReader(f):
             key = r["kind"] + (" beside" if float(r["overlap"]) > 0.5 else " alone")
@@ -87,9 +92,25 @@ def launch_summary(path: Path, policy: str) -> str:
             acc[0] += 1
             acc[1] += float(r["predicted_ms"]) / 1e3
             acc[2] += float(r["measured_ms"]) / 1e3
+            start = float(r["start_s"])
+            lanes.setdefault(r["kind"].split("/")[0], []).append(
+                (start, start + float(r["measured_ms"]) / 1e3, int(r["seqs"])))
+    a, b = host_gap or (0.0, 0.0)
+    gap = [0, 0.0, 0.0]
+    for runs in lanes.values():
+        runs.sort()
+        for (_, end, _), (start, _, seqs) in itertools.pairwise(runs):
+            if 0.0 <= start - end < BACK_TO_BACK:
+                gap[0] += 1
+                gap[1] += a + b * seqs
+                gap[2] += start - end
     lines = [f"{policy}: launches over all rates (--launch-log {path}), predicted / measured s"]
     for key, (n, p, m) in sorted(sums.items()):
         lines.append(f"  {key:<32} {n:>6} launches  {p:8.2f} / {m:8.2f} ({100 * (p / m - 1):+.1f} %)")
+    if gap[0]:
+        n, p, m = gap
+        lines.append(f"  {'host gap (between launches)':<32} {n:>6} gaps      {p:8.2f} / {m:8.2f} "
+                     f"({100 * (p / m - 1):+.1f} %)")
     return "\n".join(lines)
 
 
@@ -139,6 +160,10 @@ def main() -> None:
     work = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--slo", args.slo]
     window = ["--fuse-window-ms", str(args.fuse_window_ms)]
     sim_window = [] if args.sim_plans_to_arrivals else window
+    from bullet.config import resolve_gpu, resolve_model
+    from simulator.run import latency_model
+
+    model_gap = getattr(latency_model(args.latency, resolve_model(args.model), resolve_gpu("h200")), "host_gap", None)
     rows = []
     for policy in args.policies:
         flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
@@ -167,7 +192,7 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         if launches.exists():
-            print(launch_summary(launches, policy), flush=True)
+            print(launch_summary(launches, policy, model_gap), flush=True)
         for rate in args.rates:
             skip = ["--skip-oversized"] if args.skip_oversized else []
             res = subprocess.run([*CLI, "simulate", *common, *flags, *work, *skip, *sim_window, "--request-rate",
