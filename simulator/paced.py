@@ -99,10 +99,9 @@ class PacedExecutor:
 def _with_tokens(res: StepResult) -> StepResult:
     """``res`` with an id for every chunk that samples, at every step: its position's letter."""
     chunks = res.batch.chunks
-    steps = res.batch.steps
-    toks = np.full((steps, len(chunks)), -1, np.int64)
-    for j, c in enumerate(chunks):
-        if c.sample:
-            pos = c.start + c.num_tokens + np.arange(steps)
-            toks[:, j] = TOKEN_BASE + pos % 26
+    n = len(chunks)
+    first = np.fromiter([c.start + c.num_tokens for c in chunks], np.int64, n)  # each chunk's first position
+    sample = np.fromiter([c.sample for c in chunks], bool, n)
+    pos = first[None, :] + np.arange(res.batch.steps)[:, None]  # (a per-chunk loop cost ~0.5 ms a launch of
+    toks = np.where(sample[None, :], TOKEN_BASE + pos % 26, -1)  # 60 requests: host time no GPU launch has)
     return StepResult(res.batch, res.start, res.end, res.step_ends, toks)
