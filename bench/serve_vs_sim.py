@@ -28,7 +28,6 @@ differs from the simulation is the live path's own cost.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import signal
 import subprocess
@@ -81,10 +80,10 @@ def launch_summary(path: Path, policy: str, host_gap: tuple[float, float] | None
     (`bullet.validate.BACK_TO_BACK`) against the simulator's ``host_gap`` (a, b: a + b x requests)."""
     import csv
 
-    from bullet.validate import BACK_TO_BACK
+    from bullet.validate import back_to_back
 
     sums: dict[str, list[float]] = {}
-    lanes: dict[str, list[tuple[float, float, int]]] = {}
+    spans = []
     with path.open() as f:
         for r in csv.DictReader(f):
             key = r["kind"] + (" beside" if float(r["overlap"]) > 0.5 else " alone")
@@ -93,17 +92,10 @@ def launch_summary(path: Path, policy: str, host_gap: tuple[float, float] | None
             acc[1] += float(r["predicted_ms"]) / 1e3
             acc[2] += float(r["measured_ms"]) / 1e3
             start = float(r["start_s"])
-            lanes.setdefault(r["kind"].split("/")[0], []).append(
-                (start, start + float(r["measured_ms"]) / 1e3, int(r["seqs"])))
+            spans.append((r["kind"].split("/")[0], start, start + float(r["measured_ms"]) / 1e3, int(r["seqs"])))
     a, b = host_gap or (0.0, 0.0)
-    gap = [0, 0.0, 0.0]
-    for runs in lanes.values():
-        runs.sort()
-        for (_, end, _), (start, _, seqs) in itertools.pairwise(runs):
-            if 0.0 <= start - end < BACK_TO_BACK:
-                gap[0] += 1
-                gap[1] += a + b * seqs
-                gap[2] += start - end
+    gaps = back_to_back(spans)
+    gap = [len(gaps), sum(a + b * n for _, n in gaps), sum(g for g, _ in gaps)]
     lines = [f"{policy}: launches over all rates (--launch-log {path}), predicted / measured s"]
     for key, (n, p, m) in sorted(sums.items()):
         lines.append(f"  {key:<32} {n:>6} launches  {p:8.2f} / {m:8.2f} ({100 * (p / m - 1):+.1f} %)")

@@ -11,7 +11,7 @@ other row is shown for information.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -139,13 +139,9 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
                 x.start, f"{x.lane}/{kind}", x.sms, w.num_layers, w.tokens, w.seqs, w.attn_pairs, w.kv_read,
                 w.max_kv, w.samples, x.steps, co_sms, co.tokens if co else 0, round(o, 4),
                 (x.end - x.start) * 1e3, pred * 1e3), strict=True)))
-    gap = host_gap if host_gap is not None else (getattr(latency, "host_gap", None) or (0.0, 0.0))
-    for lane in sorted({x.lane for x in launches}):
-        mine = [x for x in launches if x.lane == lane]
-        for prev, x in itertools.pairwise(mine):
-            g = x.start - prev.end
-            if 0.0 <= g < BACK_TO_BACK:  # the engine relaunched the lane at once: its host time between
-                kinds.setdefault(HOST_GAP_KIND, []).append((g, gap[0] + gap[1] * x.work.seqs))
+    a, b = host_gap if host_gap is not None else (getattr(latency, "host_gap", None) or (0.0, 0.0))
+    for g, seqs in back_to_back((x.lane, x.start, x.end, x.work.seqs) for x in launches):
+        kinds.setdefault(HOST_GAP_KIND, []).append((g, a + b * seqs))
     out = []
     for kind, pairs in sorted(kinds.items(), key=lambda kv: (kv[0] == HOST_GAP_KIND, kv[0])):  # the gap last
         m = np.array([p[0] for p in pairs])
@@ -155,6 +151,22 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
                     "error_pct_p10": float(np.percentile(e, 10)), "error_pct_p50": float(np.median(e)),
                     "error_pct_p90": float(np.percentile(e, 90)),
                     "error_pct_sum": float(100 * (pr.sum() / max(m.sum(), 1e-12) - 1))})
+    return out
+
+
+def back_to_back(spans: Iterable[tuple[str, float, float, int]]) -> list[tuple[float, int]]:
+    """Of launches given as (lane, start, end, requests): the gap before each one its lane started within
+    :data:`BACK_TO_BACK` of the previous one's end (the engine relaunched it at once: its own host time between
+    them), with that launch's requests."""
+    lanes: dict[str, list[tuple[float, float, int]]] = {}
+    for lane, start, end, seqs in spans:
+        lanes.setdefault(lane, []).append((start, end, seqs))
+    out = []
+    for runs in lanes.values():
+        runs.sort()
+        for (_, end, _), (start, _, seqs) in itertools.pairwise(runs):
+            if 0.0 <= start - end < BACK_TO_BACK:
+                out.append((start - end, seqs))
     return out
 
 

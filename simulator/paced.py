@@ -102,6 +102,6 @@ def _with_tokens(res: StepResult) -> StepResult:
     n = len(chunks)
     first = np.fromiter([c.start + c.num_tokens for c in chunks], np.int64, n)  # each chunk's first position
     sample = np.fromiter([c.sample for c in chunks], bool, n)
-    pos = first[None, :] + np.arange(res.batch.steps)[:, None]  # (a per-chunk loop cost ~0.5 ms a launch of
-    toks = np.where(sample[None, :], TOKEN_BASE + pos % 26, -1)  # 60 requests: host time no GPU launch has)
+    pos = first[None, :] + np.arange(res.batch.steps)[:, None]  # (a per-chunk loop took 144-150 us a launch of
+    toks = np.where(sample[None, :], TOKEN_BASE + pos % 26, -1)  # 60 requests on this VM, this 11-13 us)
     return StepResult(res.batch, res.start, res.end, res.step_ends, toks)

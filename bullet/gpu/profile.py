@@ -511,10 +511,11 @@ def _covered(decodes: list[StepResult], prefills: list[tuple[StepResult, float]]
 
 # ---------------------------------------------------------------------------------------------- host gaps
 GAP_SIZES = (1, 8, 16, 32, 64, 96, 128, 192, 256)  # decode batch sizes whose launch-to-launch host time is measured
+GAP_STEPS, GAP_PROMPT = 32, 64  # tokens each request generates, and its prompt
 GAP_COLUMNS = ("seqs", "gap_s", "gap_p10_s", "gap_p90_s", "launches")
 
 
-def measure_host_gaps(executor, sizes: Sequence[int] = GAP_SIZES, steps: int = 32, prompt: int = 64,
+def measure_host_gaps(executor, sizes: Sequence[int] = GAP_SIZES, steps: int = GAP_STEPS, prompt: int = GAP_PROMPT,
                       first_id: int = 1 << 40) -> list[dict]:
     """Per batch size ``n``: ``n`` requests of ``prompt`` tokens arrive at once and each generates ``steps``
     tokens under the chunked policy with one decode step a launch (``serve()``, the engine every executor
@@ -726,7 +727,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     if not gaps.exists():  # measured once, like the points (delete the file to measure again)
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
         meta["gaps"] = {"measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                        "commit": meta.get("commit"), "policy": "chunked", "steps": 32, "prompt": 64}
+                        "commit": meta.get("commit"), "policy": "chunked", "steps": GAP_STEPS, "prompt": GAP_PROMPT}
     elif old_gaps := (_old_meta(out) or {}).get("gaps"):
         meta["gaps"] = old_gaps
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
