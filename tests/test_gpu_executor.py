@@ -167,7 +167,7 @@ def test_prepare_graphs_captures_bullets_default_slices():
     from bullet.gpu.executor import prepare_graphs
 
     class Recorder:  # the executor's capture calls, no model
-        spec, graph_buckets, _graphs, prefill_graphs = MODELS["llama-3.1-8b"], (1, 2), {}, {}
+        spec, graph_buckets, _graphs, prefill_graphs, cuda = MODELS["llama-3.1-8b"], (1, 2), {}, {}, False
 
         def __init__(self):
             self.prefill, self.decode = [], []
@@ -185,6 +185,26 @@ def test_prepare_graphs_captures_bullets_default_slices():
     want = [range(8), range(8, 16), range(16, 24), range(24, 32), range(32)]
     assert ex.prefill == [("prefill", 116, want), ("prefill", 92, want), ("prefill", 132, want)]
     assert ex.decode == [("decode", 16), ("decode", 40), ("decode", 132)]
+
+
+def test_prepare_graphs_out_of_memory_names_the_way_out():
+    """Device memory running out while graphs are captured (bullet's whole decode menu did on the H200 before
+    the per-partition release) ends start-up with a message naming the partition and the flags that help."""
+    from bullet.gpu.executor import prepare_graphs
+
+    class Full:
+        spec, graph_buckets, _graphs, prefill_graphs, cuda = MODELS["llama-3.1-8b"], (1,), {}, {}, False
+
+        def capture(self, lane, sms, sizes):
+            if sms == 40:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 110.00 MiB")
+
+        def capture_prefill(self, lane, sms, layer_ranges):
+            pass
+
+    with pytest.raises(MemoryError, match=r"partition 2 of 6 \(3 decode sizes, 3 prefill sizes\).*--decode-sizes"
+                                          r".*--gpu-memory-utilization"):
+        prepare_graphs(Full(), SchedulerConfig(policy="bullet", decode_sizes=(16, 40)), GPUS["h200"])
 
 
 def test_preemption_recompute_matches_reference(weights):
