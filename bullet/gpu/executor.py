@@ -58,6 +58,7 @@ from ..batch import Batch, Chunk, Lane, Partition, StepResult, check_launch
 from ..config import ModelSpec
 from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
+from .kernels.decode_attention import DECODE_TARGET_PROGRAMS
 from .kernels.gemv import GEMV_DEFAULT
 from .kvcache import PagedKvCache
 from .model import Model
@@ -261,8 +262,12 @@ class GpuExecutor:
                   for sh in (((2048, 0),), ((700, 0), (600, 0), (900, 0)), ((1500, 700),), ((600, 0), (300, 1200)))]
         ctx = int(f * 1000) + 1
         rid = 1 << 41
+        # decode rows beside the prompts: few (the attention splits each context) and enough that it does not
+        # split (another kernel variant: compiled in the middle of serving, a 130-row mixed launch took 680 ms
+        # against 65 predicted on the H200, bench/RESULTS.md)
+        unsplit = -(-DECODE_TARGET_PROGRAMS // self.spec.kv_heads_per_gpu)
         for prefill in shapes:
-            for rows in (0, 5):
+            for rows in (0, 5, unsplit):
                 chunks = []
                 for _ in range(rows):
                     rid += 1

@@ -106,8 +106,11 @@ def launch_defaults(num_sms: int | None) -> dict:
     return {"num_stages": 2} if num_sms is not None and num_sms <= 56 else {}
 
 
+DECODE_TARGET_PROGRAMS = 1024  # programs a split aims at; from this many (sequence, KV head) pairs it does not split
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int = 64,
-                  target_programs: int = 1024, max_splits: int = 32) -> int:
+                  target_programs: int = DECODE_TARGET_PROGRAMS, max_splits: int = 32) -> int:
     """Context slices per (sequence, KV head): enough programs to fill the GPU, at least one tile each. At
     most 32: a graph sizes the split for its capacity (16384 tokens), and at batch 1 over 1024 tokens 64
     slices (mostly empty) took 4.19 ms a step against 4.14 with 32 and 4.13 with 16 (bench/gpu_kernels.py)."""
