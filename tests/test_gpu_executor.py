@@ -640,3 +640,20 @@ def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, mon
         assert real_plan == sim_plan
         assert (replays >= 4) == graphs  # both jobs' slices replayed graphs
         check_against_reference(weights, list(real_done.values()), list(real_done.values()))
+
+
+def test_warm_up_launches_cover_split_and_unsplit_decode_attention():
+    """The warm-up's eager launches put decode rows beside the prompts both ways the decode attention runs:
+    split over context slices (few rows) and unsplit (from 1,024 (row, KV head) pairs: 128 rows of
+    Llama-3.1-8B's 8 KV heads, by hand), so neither kernel variant is compiled in the middle of serving."""
+    from bullet.gpu.executor import warm_shapes
+    from bullet.gpu.kernels.decode_attention import decode_splits
+
+    spec = MODELS["llama-3.1-8b"]
+    shapes = warm_shapes(spec)
+    rows = sorted({len(dec) for _, dec in shapes})
+    assert rows == [0, 5, 128]
+    ctx = max(c for _, dec in shapes for c in dec)
+    assert decode_splits(5, 8, ctx) > 1 and decode_splits(128, 8, ctx) == 1
+    assert {tuple(p) for p, _ in shapes} == {((2049, 0),), ((701, 0), (601, 0), (901, 0)), ((1501, 700),),
+                                             ((601, 0), (301, 1200))}

@@ -250,37 +250,28 @@ class GpuExecutor:
         return n
 
     def _warm_eager(self) -> None:
-        """Eager launches on the whole GPU (compiled kernels serve every partition): one and several
-        prompts, a chunk over a prefix, decode rows beside them; the KV they write is garbage nobody reads."""
+        """Eager launches on the whole GPU (compiled kernels serve every partition), of :func:`warm_shapes`;
+        the KV they write is garbage nobody reads."""
         from ..kvcache import BlockManager
 
         kv = BlockManager(self.kv.num_blocks, self.kv.block_size)
         sms = self.menu.num_sms if self.menu is not None else \
             torch.cuda.get_device_properties(self.device).multi_processor_count
-        f = min(1.0, (self.spec.max_position - 1) / 2200)  # a small model's positions
-        shapes = [[(int(f * n) + 1, int(f * p)) for n, p in sh]
-                  for sh in (((2048, 0),), ((700, 0), (600, 0), (900, 0)), ((1500, 700),), ((600, 0), (300, 1200)))]
-        ctx = int(f * 1000) + 1
         rid = 1 << 41
-        # decode rows beside the prompts: few (the attention splits each context) and enough that it does not
-        # split (another kernel variant: compiled in the middle of serving, a 130-row mixed launch took 680 ms
-        # against 65 predicted on the H200, bench/RESULTS.md)
-        unsplit = -(-DECODE_TARGET_PROGRAMS // self.spec.kv_heads_per_gpu)
-        for prefill in shapes:
-            for rows in (0, 5, unsplit):
-                chunks = []
-                for _ in range(rows):
-                    rid += 1
-                    chunks.append(Chunk(rid, ctx - 1, 1, kv.allocate(rid, ctx), True, (1,)))
-                for new, prefix in prefill:
-                    rid += 1
-                    chunks.append(Chunk(rid, prefix, new, kv.allocate(rid, prefix + new), True, (1,) * new))
-                self.launch(Batch(Partition("all", sms), range(self.spec.num_layers), tuple(chunks)))
-                while self.busy("all"):
-                    self.wait(None)
-                for c in chunks:
-                    kv.free(c.req_id)
-                    self.release(c.req_id)
+        for prefill, decode in warm_shapes(self.spec):
+            chunks = []
+            for ctx in decode:
+                rid += 1
+                chunks.append(Chunk(rid, ctx - 1, 1, kv.allocate(rid, ctx), True, (1,)))
+            for new, prefix in prefill:
+                rid += 1
+                chunks.append(Chunk(rid, prefix, new, kv.allocate(rid, prefix + new), True, (1,) * new))
+            self.launch(Batch(Partition("all", sms), range(self.spec.num_layers), tuple(chunks)))
+            while self.busy("all"):
+                self.wait(None)
+            for c in chunks:
+                kv.free(c.req_id)
+                self.release(c.req_id)
 
     def release(self, req_id: int) -> None:
         """Forget a finished request: its last-token slot and read-back tokens."""
@@ -715,6 +706,20 @@ class GpuExecutor:
                 if st is not None:
                     st.outputs.extend(ids)
         return StepResult(batch, start, end, tuple(ends), tokens)
+
+
+def warm_shapes(spec: ModelSpec) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """The eager launches of the executor's warm-up: (prompt chunks as (new tokens, cached prefix), decode
+    rows' contexts). One and several prompts, a chunk over a prefix; each with no decode rows, a few (the
+    decode attention splits each context) and enough that it does not split (a kernel variant of its own:
+    compiled in the middle of serving, a 130-row mixed launch took 680 ms against 65 predicted on the H200,
+    bench/RESULTS.md, fourteenth session)."""
+    f = min(1.0, (spec.max_position - 1) / 2200)  # a small model's positions
+    prompts = [[(int(f * n) + 1, int(f * p)) for n, p in sh]
+               for sh in (((2048, 0),), ((700, 0), (600, 0), (900, 0)), ((1500, 700),), ((600, 0), (300, 1200)))]
+    ctx = int(f * 1000) + 1
+    unsplit = -(-DECODE_TARGET_PROGRAMS // spec.kv_heads_per_gpu)
+    return [(p, [ctx] * rows) for p in prompts for rows in (0, 5, unsplit)]
 
 
 def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str, int]:
