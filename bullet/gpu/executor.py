@@ -309,7 +309,10 @@ class GpuExecutor:
             return
         side = self.menu.side(lane, num_sms)
         with torch.cuda.stream(side.stream), self.model.on_sms(side.num_sms):
-            for bs in sizes:
+            # largest first: a graph's activations stay in the lane's pool, and a smaller batch's fit into the
+            # blocks a larger one freed, while smallest first each bucket wanted bigger blocks than any freed
+            # (0.6 GiB kept per decode size, growing ~1 MB a row per bucket, on the H200: bench/RESULTS.md)
+            for bs in sorted(sizes, reverse=True):
                 self.graphs(lane).capture(side, bs, greedy)
 
     def capture_prefill(self, lane: Lane, num_sms: int, buckets: Sequence[int] | None = None,
@@ -321,7 +324,7 @@ class GpuExecutor:
             return 0
         pg = self._lane_prefill_graphs(lane)
         side = self.menu.side(lane, num_sms) if self.cuda else None
-        for b in buckets or pg.buckets:
+        for b in sorted(buckets or pg.buckets, reverse=True):  # largest first, as decode graphs (capture)
             for layers in layer_ranges or (range(self.spec.num_layers),):
                 for g in greedy:
                     pg.capture(side, b, layers, g)
