@@ -173,6 +173,10 @@ class GpuExecutor:
         # between slices to run a more urgent one first, so a lane holds up to HELD_PER_LANE of them
         self._held: dict[tuple[Lane, tuple], _Held] = {}
         self._order = 0
+        # CUDA events and pinned read-back buffers, made once and reused (not allocated for each launch)
+        self._timing_events: list = []
+        self._done_events: list = []
+        self._host_bufs: dict[Lane, torch.Tensor] = {}
         self._ref = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -604,21 +608,31 @@ class GpuExecutor:
         return f
 
     def _cuda_work(self, f: _Flight, batch: Batch, side: Side):
-        f.start_ev = torch.cuda.Event(enable_timing=True)
+        timing = self._timing_events
+        f.start_ev = timing.pop() if timing else torch.cuda.Event(enable_timing=True)
         f.start_ev.record()
 
         def record():
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = timing.pop() if timing else torch.cuda.Event(enable_timing=True)
             ev.record()
             f.step_evs.append(ev)
 
         toks, cols = yield from self._forward_steps(batch, side, record)
         self._set_cols(f, batch, cols)
         if toks is not None and toks.numel():
-            f.host = torch.empty(toks.shape, dtype=torch.int64, pin_memory=True)
+            f.host = self._host_buffer(batch.lane, toks.numel()).view(toks.shape)
             f.host.copy_(toks, non_blocking=True)
-        f.done_ev = torch.cuda.Event()
+        f.done_ev = self._done_events.pop() if self._done_events else torch.cuda.Event()
         f.done_ev.record()
+
+    def _host_buffer(self, lane: Lane, n: int) -> torch.Tensor:
+        """The lane's pinned buffer for a launch's sampled ids (``n`` of them): one launch in flight per lane,
+        and ``_finish`` copies the ids out before the lane's next launch, so one buffer serves every launch
+        (it grows to the largest launch seen)."""
+        buf = self._host_bufs.get(lane)
+        if buf is None or buf.numel() < n:
+            buf = self._host_bufs[lane] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        return buf[:n]
 
     def _advance(self, f: _Flight) -> None:
         """Enqueue the next piece of ``f``'s launch on its partition's stream. A piece that raises (bad input
@@ -698,6 +712,10 @@ class GpuExecutor:
             ends = [self._ev_time(e) for e in f.step_evs]
             end = ends[-1]
             dev = None if f.host is None else f.host.numpy()
+            # the events are done with: recorded again by later launches, not made anew for each
+            self._timing_events.append(f.start_ev)
+            self._timing_events.extend(f.step_evs)
+            self._done_events.append(f.done_ev)
         tokens = np.full((batch.steps, len(batch.chunks)), -1, dtype=np.int64)
         if dev is not None and len(f.cols):
             tokens[:, f.cols] = dev
