@@ -432,3 +432,61 @@ def test_a_cached_prefix_makes_the_queue_head_short_enough_to_go_first():
     assert res.summary["jobs_set_aside"] == 1
     r3 = next(r for r in res.requests if r.id == 3)
     assert r3.num_cached_tokens == 96 and r3.first_token_time - r3.arrival <= 0.1
+
+
+def test_stall_room_by_hand():
+    """How long every decoding request's next token may take: its loan without the 1.3-target cap (its other
+    steps at 95 % of the target), at least its step budget; the tightest wins; 0 while 3/4 of the seats are
+    taken; inf without a TPOT target."""
+    sched, _ = make(SloConfig(tpot=0.1), max_num_seqs=8)
+    # 11 tokens, 5 out at 0.5 s: a = 0.1 * 10 - 0.5 = 0.5 s for 5 steps: 0.5 - 4 * 0.095 = 0.12 (budget 0.1)
+    sched.running[:] = [decoding(0, 6, 0.0, 11, 105)]
+    assert sched._stall_room(0.5) == pytest.approx(0.12)
+    # 101 tokens, 2 out at 0.5 s: a = 10 - 0.5 = 9.5 for 99 steps: 9.5 - 98 * 0.095 = 0.19 (a loan caps it at 0.13)
+    sched.running[:] = [decoding(1, 2, 0.0, 101, 101)]
+    assert sched._stall_room(0.5) == pytest.approx(0.19)
+    # both: the tightest; a request past its whole budget (first token at -2 s: a < 0) is left out
+    sched.running[:] = [decoding(0, 6, 0.0, 11, 105), decoding(1, 2, 0.0, 101, 101), decoding(2, 6, -2.0, 11, 105)]
+    assert sched._stall_room(0.5) == pytest.approx(0.12)
+    # behind the 95 % pace (0.3 s late: a = 0.2 for 5 steps): its even-pace budget 0.04, not 0.2 - 0.38 < 0
+    sched.running[:] = [decoding(0, 6, 0.0, 11, 105)]
+    assert sched._stall_room(0.8) == pytest.approx(0.04)
+    sched.running[:] = [decoding(10 + i, 2, 0.0, 101, 101) for i in range(6)]  # 6 of 8 seats
+    assert sched._stall_room(0.5) == 0.0
+    none, _ = make(SloConfig(tpot=None))
+    none.running[:] = [decoding(0, 6, 0.0, 11, 105)]
+    assert none._stall_room(0.5) == math.inf
+
+
+@pytest.mark.parametrize("ttft", [0.1, 0.2])
+def test_whole_gpu_prefill_when_the_split_misses_the_deadline(ttft):
+    """LinearLatency with co-running 1.25x slower. Request 0 (100 tokens, 2000 to generate) decodes alone on the
+    whole GPU from ~3 ms, ~2.05 ms a step; at 0.5 s two 8000-token prompts arrive (TPOT 50 ms, TTFT ``ttft``).
+    Request 1's job is planned when request 0's decode launch in flight ends, at t in (0.5, 0.5021]. Request
+    0 lends 65 ms a step (the cap), 58.5 ms with the margin: its step next to prefill, 2.045 ms * 132 / d *
+    1.25, fits from d = 5.8, so 8 SMs and prefill 124 (request 2 waits: all that decode does not need). The
+    8000 tokens on 124 SMs next to decode: (2e-3 + 8000e-5 + 8000e-7) * 132 / 124 * 1.25 = 110.2 ms; on the
+    whole GPU 82.8 ms. With a 100 ms target, the split misses its 0.6 s deadline with the 10 % margin ((0.6 - t)
+    * 0.9 <= 90 ms) and the whole GPU meets it (t + 82.8 ms <= 0.585 s), and request 0 can wait 82.8 + ~2 ms
+    for its next token (its room: 0.05 * 1999 - ~0.5 - ~1755 * 0.0475 = ~16 s): request 1 runs at once on the
+    132 SMs, decode waiting, and meets its target, where 8-layer slices on 124 SMs would miss it by ~10 ms.
+    Request 2's deadline is also 0.6 s: from 0.585 s even the whole GPU misses it, so it runs in slices next
+    to decode. With a 200 ms target the split meets request 1's ((0.7 - t) * 0.9 >= 178 ms): slices on 124."""
+    reqs = [Request(0, 0.0, 100, 2000), Request(1, 0.5, 8000, 10), Request(2, 0.5, 8000, 10)]
+    lat = LinearLatency(L, contention=1.25)
+    sched, _ = make(SloConfig(ttft=ttft, tpot=0.05), lat=lat)
+    steps = []
+    done = serve(reqs, sched, SimExecutor(lat, L, GPU), on_step=steps.append)
+    pre = {i: [s for s in steps if s.batch.lane == "prefill" and s.batch.chunks[0].req_id == i] for i in (1, 2)}
+    r1 = next(r for r in done if r.id == 1)
+    first = pre[1][0]
+    assert 0.5 < first.start <= 0.5021
+    if ttft == 0.1:
+        assert [(s.batch.partition.num_sms, s.batch.layers) for s in pre[1]] == [(132, range(L))]
+        assert first.end - first.start == pytest.approx(2e-3 + 8000e-5 + 8000e-7)
+        assert not [s for s in steps if s.batch.lane == "decode" and s.start < first.end and s.end > first.start]
+        assert r1.first_token_time - r1.arrival <= 0.1
+        assert all(s.batch.partition.num_sms < 132 and len(s.batch.layers) == 8 for s in pre[2])
+    else:
+        assert [(s.batch.partition.num_sms, len(s.batch.layers)) for s in pre[1]] == [(124, 8)] * 4
+        assert r1.first_token_time - r1.arrival <= 0.2

@@ -24,6 +24,12 @@ re-split at every launch of either lane:
   says a bigger batch stops paying (``token_target``: per-token time within 5 % of the best), advanced
   ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
   than the target runs alone.
+* **The whole GPU for a job the split would make late** (``_whole_gpu``): when the rest of the job, on what
+  decode leaves it and next to decode, would miss the earliest TTFT deadline among its requests (with
+  ``slo_margin``) but meets it on the whole GPU, and every decoding request can lend the stall from its TPOT
+  slack (its loan without ``BORROW_CAP``), the rest of the job runs at once on the whole GPU and decode waits
+  for it. Not while the queue is blocked. Co-running saves little GPU time at the splits a tight TPOT
+  leaves prefill, and a long prompt next to decode took 1.5-2x its whole-GPU time to its first token.
 * **A job may be set aside between two of its slices** (``_urgent``) for the queue's head when the head would
   miss its TTFT deadline behind the rest of the job and meets it run alone first, and the job's own requests
   still meet theirs after it (or miss them either way); the job resumes when the head's job ends. One job at
@@ -281,6 +287,11 @@ class Bullet(LayerSliced):
         layers = range(first, L if alone else min(first + self.layers_step, L))
         work = self._job_work(layers)
         p = self.N if alone else self._prefill_want(now, work, view)
+        if p < self.N and not alone and self._whole_gpu(now, view, p):
+            if d_cur:
+                return None  # once decode's launch in flight ends (within a step)
+            p, layers = self.N, range(first, L)  # the rest of the job at once, decode waiting
+            work = self._job_work(layers)
         if p > self.N - d_cur:  # decode holds SMs this slice wants: wait for it if it ends soon
             if self._predicted_decode_end() - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
                 return None
@@ -341,6 +352,52 @@ class Bullet(LayerSliced):
             want = max(self._prefill_need(now), self.N - knee)
             return min(want, self.N - self._decode_need(view, work))
         return self.N - self._decode_need(view, work)
+
+    def _whole_gpu(self, now: float, view: DecodeView, p: int) -> bool:
+        """Whether the rest of the job runs on the whole GPU at once, decode waiting, instead of its next slice
+        on ``p`` SMs next to the decoding requests (``view``): on ``p`` SMs it would end less than ``slo_margin``
+        before the earliest deadline among its requests that can still meet theirs, on the whole GPU it is
+        predicted to meet it, and every decoding request can lend the stall (the rest of the job on the whole
+        GPU, then a decode step there) with ``slo_margin`` to spare (:meth:`_stall_room`). Not while the
+        queue is blocked (seats or KV full): decode speed is what frees them. At the splits decode's TPOT
+        leaves prefill, co-running saves the fitted H200 model only 1-14 % of GPU time against running the
+        lanes in turn, while a prompt next to decode on 68-100 SMs takes 1.5-2x its whole-GPU time: under an
+        absolute TTFT target, long prompts missed theirs on the split (bench/RESULTS.md, sharegpt tight)."""
+        if not view.work.seqs or (self.waiting and not self.admissible()):
+            return False
+        _, reqs, first = self.job
+        due = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
+        if due is None:
+            return False
+        predict, N = self.latency.predict, self.N
+        rest = self._job_work(range(first, self.model.num_layers))
+        if predict(rest, p, view.work, N - p) <= (due - now) * (1 - self.cfg.slo_margin):
+            return False  # the split meets it
+        whole = float(predict(rest, N))
+        if now + whole > due:
+            return False  # the whole GPU misses it too: no reason to stall decode
+        stall = whole + float(predict(view.work, N))
+        return stall <= self._stall_room(now) * (1 - self.cfg.slo_margin)
+
+    def _stall_room(self, now: float) -> float:
+        """The longest next token every decoding request can wait for: its loan (:meth:`_view`) without the
+        ``BORROW_CAP`` cap, ``a - (T - n - 1) * BORROW_PACE * tpot`` (its other remaining steps then at that
+        pace), at least its step budget; 0 while loans are off (``BORROW_SEATS``), inf without a TPOT target.
+        Requests whose budget is already spent are left out, as in :meth:`_view`."""
+        tpot = self.slo.tpot
+        if tpot is None:
+            return math.inf
+        if len(self.running) >= BORROW_SEATS * self.cfg.max_num_seqs:
+            return 0.0
+        pace, room = BORROW_PACE * tpot, math.inf
+        for r in self._decoding():
+            left = r.max_new_tokens - r.num_output
+            if not r.num_output or left <= 0 or r.first_token_time is None:
+                continue
+            a = tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)
+            if a > 0:
+                room = min(room, max(a - (left - 1) * pace, a / left))
+        return room
 
     def _prefill_need(self, now: float) -> int:
         """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
