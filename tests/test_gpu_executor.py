@@ -163,7 +163,8 @@ def test_prepare_graphs_captures_each_policys_lanes_and_ranges(weights):
 def test_prepare_graphs_captures_bullets_default_slices():
     """bullet slices prefill 8 layers at a time when --layers-per-step is not given, and prepare_graphs captures
     graphs for those slices (it captured only whole forwards, so every slice of a live bullet server ran
-    eagerly). Llama-3.1-8B's 32 layers: four slices and the whole forward, on each decode size's complement."""
+    eagerly). Llama-3.1-8B's 32 layers: four slices and the whole forward, on each decode size's complement, and on
+    the whole GPU the rest of a job from each slice boundary."""
     from bullet.gpu.executor import prepare_graphs
 
     class Recorder:  # the executor's capture calls, no model
@@ -183,7 +184,8 @@ def test_prepare_graphs_captures_bullets_default_slices():
     ex = Recorder()
     prepare_graphs(ex, cfg, GPUS["h200"])
     want = [range(8), range(8, 16), range(16, 24), range(24, 32), range(32)]
-    assert ex.prefill == [("prefill", 116, want), ("prefill", 92, want), ("prefill", 132, want)]
+    rests = [range(8, 32), range(16, 32), range(24, 32)]  # the whole GPU: a job's rest at once (bullet._whole_gpu)
+    assert ex.prefill == [("prefill", 116, want), ("prefill", 92, want), ("prefill", 132, want + rests)]
     assert ex.decode == [("decode", 16), ("decode", 40), ("decode", 132)]
 
 

@@ -762,7 +762,9 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
         sizes = (*(cfg.decode_sizes or gpu.decode_sizes[:-1]), N)
         decode = [("decode", d) for d in sizes]
         ranges = slices if len(slices) == 1 else [*slices, range(L)]
-        pre = [("prefill", N - d if d < N else N, ranges) for d in sizes]
+        # on the whole GPU bullet also runs the rest of a job from any slice boundary at once (_whole_gpu)
+        rests = [range(r.start, L) for r in slices[1:]]
+        pre = [("prefill", N - d if d < N else N, ranges + (rests if d == N else [])) for d in sizes]
     # The caching allocator keeps blocks per stream, and each partition is a stream of its own: a capture's
     # warm-up run (outside the graph) leaves blocks cached on its partition's stream that no other stream can
     # use. Released after each partition; without it bullet's 16 partitions ran out of memory at start-up
