@@ -232,4 +232,13 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
     console.print("p10-p90: error per launch; sum: all the kind's predicted time against all its measured time "
                   "(what a queue sees); beside: the other lane ran for most of the launch; host gap: a lane's "
                   "time between back-to-back launches against the model's host_gap (the simulator's)")
+    from .validate import STALL_FACTOR, stalls
+
+    if stalled := stalls(rep.launch_rows):
+        shown = "; ".join(f"#{r['n']} {r['kind']} {r['tokens']} tokens {r['seqs']} requests {r['measured_ms']:.0f} ms "
+                          f"against {r['predicted_ms']:.0f}" for r in stalled[:3])
+        console.print(f"[yellow]{len(stalled)} launch(es) took over {STALL_FACTOR:g}x their prediction: {shown}"
+                      f"{' ...' if len(stalled) > 3 else ''} (a kernel compiled or an attention plan built in the "
+                      "middle of the run? python3 bench/first_launch.py on the GPU shows what the warm-up "
+                      "misses)[/yellow]")
     console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")

@@ -48,7 +48,7 @@ class Report:
 
     def to_json(self) -> dict:
         return {"real": self.real, "sim": self.sim, "errors": self.rows, "launches": self.launches,
-                "worst_gated_error": self.worst()}
+                "stalls": stalls(self.launch_rows), "worst_gated_error": self.worst()}
 
 
 def error(real: float, sim: float) -> float:
@@ -152,6 +152,18 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
                     "error_pct_p90": float(np.percentile(e, 90)),
                     "error_pct_sum": float(100 * (pr.sum() / max(m.sum(), 1e-12) - 1))})
     return out
+
+
+STALL_FACTOR, STALL_S = 2.0, 0.020  # a launch this many times its prediction and this much over it: a stall
+
+
+def stalls(launch_rows: Sequence[dict]) -> list[dict]:
+    """Launches (rows of :data:`LAUNCH_COLUMNS`, with their index ``n`` in the run) that took over
+    :data:`STALL_FACTOR` times their prediction and :data:`STALL_S` more: what no latency model predicts, such
+    as a kernel compiled or an attention plan built in the middle of the run (one 2,048-token launch of 130
+    requests took 680 ms against 65 predicted on the H200: bench/RESULTS.md, fourteenth session)."""
+    return [{"n": i, **r} for i, r in enumerate(launch_rows)
+            if r["measured_ms"] > STALL_FACTOR * r["predicted_ms"] and r["measured_ms"] - r["predicted_ms"] > 1e3 * STALL_S]
 
 
 def back_to_back(spans: Iterable[tuple[str, float, float, int]]) -> list[tuple[float, int]]:

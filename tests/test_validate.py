@@ -219,3 +219,17 @@ def test_launch_errors_put_the_models_host_gap_against_back_to_back_launches():
     # a model without a host gap predicts none: -100 %
     del Gapped.host_gap
     assert {k["kind"]: k for k in launch_errors(launches, Gapped(), L)}[HOST_GAP_KIND]["error_pct_sum"] == -100.0
+
+
+def test_stalls_name_launches_far_over_their_prediction():
+    """A launch over 2x its prediction and 20 ms over it is a stall (the H200's mid-run compile: 680 ms against
+    65); slow small launches (+5 ms at 3x) and launches near their prediction are not."""
+    from bullet.validate import stalls
+
+    rows = [{"kind": "all/prefill", "tokens": 2048, "seqs": 1, "measured_ms": 48.0, "predicted_ms": 48.4},
+            {"kind": "all/prefill", "tokens": 2048, "seqs": 130, "measured_ms": 680.0, "predicted_ms": 65.0},
+            {"kind": "all/decode", "tokens": 3, "seqs": 3, "measured_ms": 7.5, "predicted_ms": 2.5},
+            {"kind": "all/prefill", "tokens": 2048, "seqs": 10, "measured_ms": 106.0, "predicted_ms": 52.7}]
+    got = stalls(rows)
+    assert [r["n"] for r in got] == [1, 3]
+    assert got[0]["measured_ms"] == 680.0 and got[1]["seqs"] == 10
