@@ -237,7 +237,9 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
     if stalled := stalls(rep.launch_rows):
         shown = "; ".join(f"#{r['n']} {r['kind']} {r['tokens']} tokens {r['seqs']} requests {r['measured_ms']:.0f} ms "
                           f"against {r['predicted_ms']:.0f}" for r in stalled[:3])
-        console.print(f"[yellow]{len(stalled)} launch(es) took over {STALL_FACTOR:g}x their prediction: {shown}"
+        typical = stalled[0]["typical_ratio"]
+        scaled = f" x {typical:.2f} (the run's median measured / predicted)" if abs(typical - 1) > 0.05 else ""
+        console.print(f"[yellow]{len(stalled)} launch(es) took over {STALL_FACTOR:g}x their prediction{scaled}: {shown}"
                       f"{' ...' if len(stalled) > 3 else ''} (a kernel compiled or an attention plan built in the "
                       "middle of the run? python3 bench/first_launch.py on the GPU shows what the warm-up "
                       "misses)[/yellow]")

@@ -154,16 +154,22 @@ def launch_errors(launches: Sequence[Launch], latency: LatencyModel, num_layers:
     return out
 
 
-STALL_FACTOR, STALL_S = 2.0, 0.020  # a launch this many times its prediction and this much over it: a stall
+STALL_FACTOR, STALL_S = 2.0, 0.020  # a stall: this many times the run's typical measured / predicted, this much over
 
 
 def stalls(launch_rows: Sequence[dict]) -> list[dict]:
     """Launches (rows of :data:`LAUNCH_COLUMNS`, with their index ``n`` in the run) that took over
-    :data:`STALL_FACTOR` times their prediction and :data:`STALL_S` more: what no latency model predicts, such
-    as a kernel compiled or an attention plan built in the middle of the run (one 2,048-token launch of 130
-    requests took 680 ms against 65 predicted on the H200: bench/RESULTS.md, fourteenth session)."""
-    return [{"n": i, **r} for i, r in enumerate(launch_rows)
-            if r["measured_ms"] > STALL_FACTOR * r["predicted_ms"] and r["measured_ms"] - r["predicted_ms"] > 1e3 * STALL_S]
+    :data:`STALL_FACTOR` times what the run's median measured / predicted ratio makes of their prediction, and
+    :data:`STALL_S` more: what no latency model predicts, such as a kernel compiled or an attention plan built
+    in the middle of the run (one 2,048-token launch of 130 requests took 680 ms against 65 predicted on the
+    H200: bench/RESULTS.md, fourteenth session). Relative to the run's own ratio, so a model of another
+    device (the H200's on the CPU) does not make every launch one."""
+    if not launch_rows:
+        return []
+    typical = float(np.median([r["measured_ms"] / max(r["predicted_ms"], 1e-9) for r in launch_rows]))
+    return [{"n": i, "typical_ratio": typical, **r} for i, r in enumerate(launch_rows)
+            if r["measured_ms"] > STALL_FACTOR * typical * r["predicted_ms"]
+            and r["measured_ms"] - typical * r["predicted_ms"] > 1e3 * STALL_S]
 
 
 def back_to_back(spans: Iterable[tuple[str, float, float, int]]) -> list[tuple[float, int]]:
