@@ -26,9 +26,9 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from bullet.batch import Batch, Chunk, Partition
+    from bullet.batch import Batch, Partition
     from bullet.config import resolve_model
-    from bullet.gpu.executor import GpuExecutor
+    from bullet.gpu.executor import GpuExecutor, shape_chunks
     from bullet.kvcache import BlockManager
 
     spec = resolve_model(args.model)
@@ -47,13 +47,8 @@ def main() -> None:
 
     def run(prefill, decode_ctx) -> tuple[float, list[str]]:
         nonlocal rid, seen
-        chunks = []
-        for ctx in decode_ctx:
-            rid += 1
-            chunks.append(Chunk(rid, ctx - 1, 1, kv.allocate(rid, ctx), True, (1,)))
-        for n, p in prefill:
-            rid += 1
-            chunks.append(Chunk(rid, p, n, kv.allocate(rid, p + n), True, (1,) * n))
+        chunks = shape_chunks(kv, rid, prefill, decode_ctx)
+        rid += len(chunks)
         torch.cuda.synchronize()
         t = time.perf_counter()
         ex.launch(Batch(Partition("all", sms), range(L), tuple(chunks)))

@@ -659,3 +659,17 @@ def test_warm_up_launches_cover_split_and_unsplit_decode_attention():
     assert decode_splits(5, 8, ctx) > 1 and decode_splits(128, 8, ctx) == 1
     assert {tuple(p) for p, _ in shapes} == {((2049, 0),), ((701, 0), (601, 0), (901, 0)), ((1501, 700),),
                                              ((601, 0), (301, 1200))}
+
+
+def test_shape_chunks_by_hand():
+    """Decode rows first (one new token at context - 1), then prompt chunks over their prefixes; KV allocated
+    for each (16-token blocks: 20 -> 2 blocks, 5 + 30 -> 3), ids counted up from the first."""
+    from bullet.gpu.executor import shape_chunks
+    from bullet.kvcache import BlockManager
+
+    kv = BlockManager(64, 16)
+    chunks = shape_chunks(kv, 100, [(30, 5)], [20, 1])
+    assert [(c.req_id, c.start, c.num_tokens, c.sample) for c in chunks] == [(100, 19, 1, True), (101, 0, 1, True),
+                                                                               (102, 5, 30, True)]
+    assert [len(c.block_ids) for c in chunks] == [2, 1, 3] and kv.num_free == 64 - 6
+    assert chunks[2].token_ids == (1,) * 30

@@ -263,13 +263,8 @@ class GpuExecutor:
             torch.cuda.get_device_properties(self.device).multi_processor_count
         rid = 1 << 41
         for prefill, decode in warm_shapes(self.spec):
-            chunks = []
-            for ctx in decode:
-                rid += 1
-                chunks.append(Chunk(rid, ctx - 1, 1, kv.allocate(rid, ctx), True, (1,)))
-            for new, prefix in prefill:
-                rid += 1
-                chunks.append(Chunk(rid, prefix, new, kv.allocate(rid, prefix + new), True, (1,) * new))
+            chunks = shape_chunks(kv, rid, prefill, decode)
+            rid += len(chunks)
             self.launch(Batch(Partition("all", sms), range(self.spec.num_layers), tuple(chunks)))
             while self.busy("all"):
                 self.wait(None)
@@ -727,6 +722,18 @@ class GpuExecutor:
                 if st is not None:
                     st.outputs.extend(ids)
         return StepResult(batch, start, end, tuple(ends), tokens)
+
+
+def shape_chunks(kv, first_id: int, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> list[Chunk]:
+    """A launch's chunks for decode rows of contexts ``decode`` (first, as the executor orders them) and prompt
+    chunks ``prefill`` as (new tokens, cached prefix), each sampling, with placeholder ids; their KV allocated in
+    ``kv`` (a BlockManager) under ids ``first_id``, ``first_id + 1``, ..."""
+    chunks = []
+    for i, ctx in enumerate(decode):
+        chunks.append(Chunk(first_id + i, ctx - 1, 1, kv.allocate(first_id + i, ctx), True, (1,)))
+    for i, (new, prefix) in enumerate(prefill, start=first_id + len(decode)):
+        chunks.append(Chunk(i, prefix, new, kv.allocate(i, prefix + new), True, (1,) * new))
+    return chunks
 
 
 def warm_shapes(spec: ModelSpec) -> list[tuple[list[tuple[int, int]], list[int]]]:
