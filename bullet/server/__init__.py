@@ -8,9 +8,13 @@ Needs the ``server`` extra (fastapi, uvicorn, prometheus-client, jinja2), and to
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from ..config import CacheConfig, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
+
+log = logging.getLogger("bullet.server")
 
 CPU_NUM_BLOCKS = 1024  # the KV pool on device "cpu" when none is given (16k tokens of 16-token blocks)
 
@@ -102,9 +106,17 @@ def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: 
         # (+15-70 ms on a first prefill slice on the H200, bench/RESULTS.md, thirteenth session)
         if not cpu:
             torch.cuda.set_device(ex.device)
-        ex.warmup()
+        t = time.perf_counter()
+        n = ex.warmup()
+        if not cpu:
+            log.info("warm-up: attention plans for %d prompt lengths and the eager kernels in %.1f s", n,
+                     time.perf_counter() - t)
         if not cpu and use_graphs:  # decode graphs of the policy's partitions, before the first request
-            prepare_graphs(ex, sched, gpu_spec)
+            t, free = time.perf_counter(), torch.cuda.mem_get_info(ex.device)[0]
+            counts = prepare_graphs(ex, sched, gpu_spec)
+            log.info("CUDA graphs: %d decode, %d prefill/mixed in %.1f s, %.2f GiB (%.1f GiB of the device "
+                     "left free)", counts["decode"], counts["prefill"], time.perf_counter() - t,
+                     (free - torch.cuda.mem_get_info(ex.device)[0]) / 2**30, torch.cuda.mem_get_info(ex.device)[0] / 2**30)
 
     return ex, thread_init
 
