@@ -50,6 +50,7 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -754,8 +755,10 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
     """Capture, before serving, the graphs of every partition the policy (``cfg``: a SchedulerConfig) will
     launch on: decode graphs (every batch bucket), and, with ``prefill``, prefill graphs (every token bucket)
     for the layer ranges its prefill launches take. bullet's prefill partitions are the complements of its
-    decode sizes and the whole GPU; its ranges the ``layers_per_step`` slices and the whole forward (a launch
-    the menu or the ranges miss runs eagerly). Returns how many graphs each kind has."""
+    decode sizes and the whole GPU; its ranges the ``layers_per_step`` slices and the whole forward, and on the
+    whole GPU the rest of a job from each slice boundary (a launch the menu or the ranges miss runs eagerly).
+    Partitions are captured one at a time, the allocator's cache released in between; out of device memory is a
+    MemoryError naming the flags that help. Returns how many graphs each kind has."""
     N, L = gpu.num_sms, ex.spec.num_layers
     step = cfg.prefill_layers(L)  # (bullet: its 8-layer slices when not told otherwise)
     slices = [range(i, min(i + step, L)) for i in range(0, L, step)]
@@ -777,9 +780,8 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
     # use. Released after each partition; without it bullet's 16 partitions ran out of memory at start-up
     # with 17 GiB cached and unused (H200, fourteenth session: bench/RESULTS.md). What stays is the graphs'
     # own pools, about 0.6 GiB per decode size and 0.1 GiB per prefill size for Llama-3.1-8B.
-    jobs = [(lambda lane=lane, sms=sms: ex.capture(lane, sms, ex.graph_buckets)) for lane, sms in decode]
-    jobs += [(lambda lane=lane, sms=sms, r=ranges: ex.capture_prefill(lane, sms, layer_ranges=r))
-             for lane, sms, ranges in (pre if prefill else ())]
+    jobs = [partial(ex.capture, lane, sms, ex.graph_buckets) for lane, sms in decode]
+    jobs += [partial(ex.capture_prefill, lane, sms, layer_ranges=ranges) for lane, sms, ranges in (pre if prefill else ())]
     for i, job in enumerate(jobs):
         if ex.cuda:
             torch.cuda.empty_cache()
