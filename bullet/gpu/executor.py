@@ -263,7 +263,11 @@ class GpuExecutor:
         sms = self.menu.num_sms if self.menu is not None else \
             torch.cuda.get_device_properties(self.device).multi_processor_count
         rid = 1 << 41
+        bs = self.kv.block_size
         for prefill, decode in warm_shapes(self.spec):
+            need = sum(-(-c // bs) for c in decode) + sum(-(-(n + p) // bs) for n, p in prefill)
+            if need > kv.num_free:  # a pool sized small (--num-blocks): warm what fits
+                continue
             chunks = shape_chunks(kv, rid, prefill, decode)
             rid += len(chunks)
             self.launch(Batch(Partition("all", sms), range(self.spec.num_layers), tuple(chunks)))
