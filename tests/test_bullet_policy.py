@@ -490,3 +490,74 @@ def test_whole_gpu_prefill_when_the_split_misses_the_deadline(ttft):
     else:
         assert [(s.batch.partition.num_sms, len(s.batch.layers)) for s in pre[1]] == [(124, 8)] * 4
         assert r1.first_token_time - r1.arrival <= 0.2
+
+
+# ---- which requests the queue order predicts late: Moore-Hodgson, seat releases -----------------------------
+
+PER_TOKEN = 2e-3 / 4096 + 1.01e-5  # LinearLatency's prefill per token at the 4096-token target, whole GPU
+
+
+def test_late_is_the_longest_not_the_last():
+    """Absolute TTFT 50 ms, ordered at 1.0 s with the prefill lane free on the whole GPU (10.59 us a token).
+    Request 0 (3000 tokens, 31.76 ms) is due at 1.04 s, requests 1 and 2 (1500 tokens, 15.88 ms each) at
+    1.05 and 1.051 s. In deadline order 0 ends at 1.0318, 1 at 1.0476 and 2 at 1.0635 > 1.051: dropping the
+    last one (2) leaves two on time, dropping the longest kept (0) leaves 1 and 2 ending at 1.0159 and 1.0318,
+    both on time. Request 0 goes behind them (its key: 1.04 + LATE_GRACE * 0.05 s)."""
+    sched, _ = make(SloConfig(ttft=0.05, tpot=None))
+    for r in (Request(0, 0.99, 3000, 2), Request(1, 1.0, 1500, 2), Request(2, 1.001, 1500, 2)):
+        sched.add(r)
+    assert 1.0 + 6000 * PER_TOKEN > 1.051 and 1.0 + 4500 * PER_TOKEN <= 1.05 and 1.0 + 3000 * PER_TOKEN <= 1.04
+    sched._order(1.0)
+    assert [r.id for r in sched.waiting] == [1, 2, 0] and sched.num_late == 1
+
+
+def test_equal_lengths_drop_the_latest_due():
+    """Two 2000-token prompts (21.18 ms each) due at 1.03 and 1.035 s, ordered at 1.0: the second ends at
+    1.0424, late; the two are equally long, so the later due one is dropped, as plain deadline order does."""
+    sched, _ = make(SloConfig(ttft=0.05, tpot=None))
+    sched.add(Request(0, 0.98, 2000, 2))
+    sched.add(Request(1, 0.985, 2000, 2))
+    sched._order(1.0)
+    assert [r.id for r in sched.waiting] == [0, 1] and sched.num_late == 1 and sched._late == {1}
+
+
+@settings(max_examples=40, deadline=None)
+@given(jobs=st.lists(st.tuples(st.integers(1, 6000), st.floats(0.0, 0.1)), min_size=1, max_size=7))
+def test_fewest_late_by_brute_force(jobs):
+    """With seats to spare, the number predicted late equals the fewest possible: the largest set of requests
+    that all meet their deadlines when run back to back in deadline order (every subset tried)."""
+    from itertools import combinations
+
+    sched, _ = make(SloConfig(ttft=0.05, tpot=None))
+    reqs = [Request(i, 1.0 - age, n, 2) for i, (n, age) in enumerate(jobs)]
+    for r in reqs:
+        sched.add(r)
+    sched._order(1.0)
+
+    def feasible(sub):
+        t = 1.0
+        for r in sorted(sub, key=lambda r: (r.arrival, r.id)):
+            t += r.prompt_len * PER_TOKEN
+            if t > r.arrival + 0.05 + 1e-12:
+                return False
+        return True
+
+    best = max(k for k in range(len(reqs) + 1) if any(feasible(c) for c in combinations(reqs, k)))
+    assert sched.num_late == len(reqs) - best
+
+
+def test_a_full_house_waits_for_a_seat_release():
+    """Two seats, both held by decoding requests (106 KV tokens each; 5 and 99 tokens left), nothing in flight:
+    decode's step is predicted on its knee, the smallest decode size within 10 % of 112 SMs' step under
+    LinearLatency (time ~ 132 / SMs): 104 SMs. Step: (2e-3 + 2 * 1e-5 + 212 * 1e-7) * 132 / 104 = 2.591 ms,
+    so the first seat frees at 5 steps, 12.95 ms. A 100-token prompt arriving at 0 (1.06 ms of prefill) ends
+    at 14.01 ms: late for a 10 ms TTFT (prefill alone would meet it), on time for 20 ms."""
+    for ttft, late in ((0.01, 1), (0.02, 0)):
+        sched, _ = make(SloConfig(ttft=ttft, tpot=None), max_num_seqs=2)
+        sched.running = [decoding(0, 6, 0.0, 11, 105), decoding(1, 2, 0.0, 101, 105)]
+        sched.add(Request(2, 0.0, 100, 2))
+        step = (2e-3 + 2e-5 + 212e-7) * 132 / 104
+        assert 0.01 < 5 * step + 100 * PER_TOKEN <= 0.02
+        assert sched._seat_releases(0.0, 0, 1) == (0, [pytest.approx(5 * step)])
+        sched._order(0.0)
+        assert sched.num_late == late

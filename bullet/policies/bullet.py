@@ -36,7 +36,11 @@ re-split at every launch of either lane:
   a time is set aside. Under per-token TTFT targets this stops a short prompt from waiting out a long one.
 * **Queue order: earliest TTFT deadline first** (arrival + the TTFT target, absolute or per prompt token),
   among requests predicted to meet theirs, or shortest first where that order still meets every one of
-  those deadlines (the paper's heuristic, kept only where it breaks none). A request predicted to miss goes
+  those deadlines (the paper's heuristic, kept only where it breaks none). Which requests are predicted to
+  miss is Moore-Hodgson's choice: in deadline order, when one would end late, the longest prompt kept so far
+  is dropped instead (on one machine: the fewest late). A request past the seats free now waits for a
+  running request's predicted release (its remaining tokens at today's decode step): under overload the
+  seats, not prefill, gate admission. A request predicted to miss goes
   before the first on-time request due after its key, its deadline plus ``LATE_GRACE`` times its target, so
   nobody arriving after that key is ahead of it: no starvation. With ``admission_control`` a request
   predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
@@ -602,16 +606,24 @@ class Bullet(LayerSliced):
                                   f"deadline order (a request left the queue without _admit or abort)")
         per_token = self._prefill_per_token()
         t = now  # a job is ordered when the prefill lane is free
-        on_time, late = [], []
-        for deadline, _, known, r in self._by_deadline:
-            end = t + known * per_token
-            if end <= deadline:
-                on_time.append(r)
-                t = end
-            else:
-                late.append(r)
+        # Moore-Hodgson: add requests in deadline order; when one would end past its deadline, drop the
+        # longest prompt kept so far (the latest due among equals: perhaps itself) to the late set. On one
+        # machine that leaves the fewest requests late.
+        free, releases = self._seat_releases(now, k, len(waiting) - k)
+        kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
+        late = []
+        for pos, (deadline, _, known, r) in enumerate(self._by_deadline):
+            heapq.heappush(kept, (-known, -pos, r))
+            t += known * per_token
+            j = len(kept) - 1 - free  # the release this request waits for, if it needs one
+            end = max(t, releases[j] + known * per_token) if 0 <= j < len(releases) else t
+            if end > deadline:
+                longest, _, x = heapq.heappop(kept)
+                t += longest * per_token
+                late.append(x)
+        skip = {r.id for r in late}
+        on_time = [r for _, i, _, r in self._by_deadline if i not in skip]
         if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
-            skip = {r.id for r in late}
             t = now
             for known, i, deadline, _ in self._by_length:
                 if i in skip:
@@ -629,6 +641,25 @@ class Bullet(LayerSliced):
         else:
             waiting.clear()
         waiting.extend(on_time)
+
+    def _seat_releases(self, now: float, back: int, fresh: int) -> tuple[int, list[float]]:
+        """Seats free for the ``fresh`` requests of the queue now (the ``back`` preempted ones ahead of them
+        take theirs first), and -- when they are fewer than ``fresh`` -- when the running requests are predicted
+        to release theirs, sorted: each decodes its remaining tokens at the step the model predicts for
+        today's decode batch on the decode lane's SMs (its knee when it has none). Fresh request ``j`` past
+        the free seats waits for release ``j - free``; the queue's own releases, further out, are not
+        predicted. Under overload the seats, not prefill, gate admission (sharegpt, paper SLOs, 11.75 req/s:
+        all 256 taken from 24 s to 104 s of a 128 s run; bench/RESULTS.md)."""
+        free = self.cfg.max_num_seqs - len(self.running) - back
+        if fresh <= free:
+            return free, []
+        work = self._view(self.running, now).work
+        if not work.seqs:
+            return free, []
+        d = self._decode_sms() or self._decode_knee(work, None)
+        step = float(self.latency.predict(work, d))
+        ends = sorted(now + step * (r.max_new_tokens - r.num_output) for r in self.running)
+        return free, ends[:fresh - free]
 
     def _late_ones(self, now: float, late: list[Request], on_time: list[Request], per_token: float) -> list[Request]:
         """Count the requests predicted to miss their TTFT; reject them (admission control) or merge each in
