@@ -561,3 +561,38 @@ def test_a_full_house_waits_for_a_seat_release():
         assert sched._seat_releases(0.0, 0, 1) == (0, [pytest.approx(5 * step)])
         sched._order(0.0)
         assert sched.num_late == late
+
+
+# ---- requests deferred on arrival when the recent arrivals overload the GPU (_shed_on_arrival) -------------
+
+
+def test_whole_work_by_hand():
+    """LinearLatency: 2 ms + 10 us a token + 0.1 us a KV token read, whole GPU. A 1000-token prompt alone:
+    2 + 10 + 0.1 = 12.1 ms. Its 100 output tokens at a 256-row step with KV 1000 + 50 each: 2 + 2.56 +
+    26.88 = 31.44 ms a step, 0.1228125 ms a row, 12.28125 ms for 100. Whole: 24.38125 ms."""
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+    assert sched._whole_work(Request(0, 0.0, 1000, 100)) == pytest.approx(0.02438125)
+
+
+def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
+    """SHED_WINDOW 10 s, SHED_CAPACITY 1.15. Six 20000-token prompts with 1000 output tokens (2.2718 s of
+    whole-GPU work each: 204 ms of prompt, 1000 x 529.36 / 256 ms of decode) arrive at 0..5 s: none is
+    deferred (before 5 s the window spans less than half of 10 s; at 5 s nothing is cheaper than the sixth).
+    At 5 s a prompt of the same length with 1001 tokens (2.2739 s) finds 6 x 2.2718 = 13.6 s of cheaper work
+    against 1.15 x 5 = 5.75 s: deferred, and ordered behind everyone (late ones included). A 100-token prompt
+    at 5 s (3.07 ms) has nothing cheaper: kept. At 15.5 s the window holds only the newcomer: kept."""
+    from bullet.policies.bullet import SHED_CAPACITY, SHED_WINDOW
+
+    assert (SHED_WINDOW, SHED_CAPACITY) == (10.0, 1.15)
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+    for i in range(6):
+        sched.add(Request(i, float(i), 20000, 1000))
+    assert sched._whole_work(Request(9, 0.0, 20000, 1000)) == pytest.approx(0.204 + 1000 * 0.52936 / 256)
+    assert sched._shed == set()
+    sched.add(Request(6, 5.0, 20000, 1001))
+    sched.add(Request(7, 5.0, 100, 2))
+    assert sched._shed == {6} and sched.num_shed == 1
+    sched._order(5.0)
+    assert sched.waiting[-1].id == 6 and 6 in sched._late
+    sched.add(Request(8, 15.5, 20000, 1001))
+    assert sched._shed == {6}
