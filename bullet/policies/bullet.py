@@ -46,6 +46,10 @@ re-split at every launch of either lane:
   predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
   before it) or when the queue is next ordered (``Request.error``; counted against attainment). Priority for
   KV is admission order (``base.py``), so the no-livelock guarantee holds under this order too.
+* **Overload sheds the costliest arrivals** (``_shed_on_arrival``): a request is deferred on arrival (ordered
+  behind every other, so it runs once the backlog is gone) when the last ``SHED_WINDOW`` of arrivals cheaper
+  than it in whole-GPU work already carry more than ``SHED_CAPACITY`` times their span. The queue's snapshot
+  does not see the decode work that holds the seats; the fewest miss when the costliest wait.
 """
 
 from __future__ import annotations
