@@ -4,6 +4,7 @@ no starvation, admission control, partition legality, and determinism. Latency f
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -155,9 +156,9 @@ def test_edf_order_and_late_requests_go_last():
     assert first[1] < first[0] and first[1] <= 0.05 and sched.num_late >= 1
 
 
-def overload(seed, n=120):
+def overload(seed, n=120, rate=40.0):
     rng = np.random.default_rng(seed)
-    t = np.cumsum(rng.exponential(1 / 40.0, n))  # far above what LinearLatency serves at these lengths
+    t = np.cumsum(rng.exponential(1 / rate, n))  # far above what LinearLatency serves at these lengths
     return [Request(i, float(t[i]), int(rng.integers(50, 4000)), int(rng.integers(1, 60))) for i in range(n)]
 
 
@@ -177,6 +178,22 @@ def test_no_starvation(seed):
         assert all(first[s.id] >= first[r.id] for s in after), r.id
         late += first[r.id] - r.arrival > 0.2
     assert late > 10  # the load really is an overload: many miss, none starves
+
+
+def test_no_starvation_with_requests_shed_on_arrival():
+    """Over 10 s of a heavier overload (100 req/s: 2.9 s of whole-GPU work a second by LinearLatency,
+    over SHED_CAPACITY), the costliest arrivals are shed (deferred on arrival) and they too are ordered by
+    key(r) = arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
+    slo = SloConfig(ttft=0.2, tpot=1.0)
+    reqs = overload(0, n=1000, rate=100.0)
+    done, _, sched = run(reqs, slo, max_batched_tokens=2048)
+    assert sched.num_shed > 10
+    first = {r.id: r.first_token_time for r in done}
+    arrivals = sorted((r.arrival, r.id) for r in reqs)
+    for r in reqs:
+        key = r.arrival + (1 + LATE_GRACE) * 0.2
+        later = arrivals[bisect.bisect_right(arrivals, (key, len(reqs))):]
+        assert all(first[i] >= first[r.id] for _, i in later), r.id
 
 
 def test_admission_control_rejects_and_counts():
@@ -561,3 +578,39 @@ def test_a_full_house_waits_for_a_seat_release():
         assert sched._seat_releases(0.0, 0, 1) == (0, [pytest.approx(5 * step)])
         sched._order(0.0)
         assert sched.num_late == late
+
+
+# ---- requests deferred on arrival when the recent arrivals overload the GPU (_shed_on_arrival) -------------
+
+
+def test_whole_work_by_hand():
+    """LinearLatency: 2 ms + 10 us a token + 0.1 us a KV token read, whole GPU. A 1000-token prompt alone:
+    2 + 10 + 0.1 = 12.1 ms. Its 100 output tokens at a 256-row step with KV 1000 + 50 each: 2 + 2.56 +
+    26.88 = 31.44 ms a step, 0.1228125 ms a row, 12.28125 ms for 100. Whole: 24.38125 ms."""
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+    assert sched._whole_work(Request(0, 0.0, 1000, 100)) == pytest.approx(0.02438125)
+
+
+def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
+    """SHED_WINDOW 10 s, SHED_CAPACITY 1.15. Six 20000-token prompts with 1000 output tokens (2.2718 s of
+    whole-GPU work each: 204 ms of prompt, 1000 x 529.36 / 256 ms of decode) arrive at 0..5 s: none is
+    deferred (before 5 s the window spans less than half of 10 s; at 5 s nothing is cheaper than the sixth).
+    At 5 s a prompt of the same length with 1001 tokens (2.2739 s) finds 6 x 2.2718 = 13.6 s of cheaper work
+    against 1.15 x 5 = 5.75 s: deferred, a late request keyed at its deadline + LATE_GRACE targets (6 + 20 =
+    26 s), after every on-time request's deadline here, so it is ordered last. A 100-token prompt
+    at 5 s (3.07 ms) has nothing cheaper: kept. At 15.5 s the window holds only the newcomer: kept."""
+    from bullet.policies.bullet import SHED_CAPACITY, SHED_WINDOW
+
+    assert (SHED_WINDOW, SHED_CAPACITY) == (10.0, 1.15)
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+    for i in range(6):
+        sched.add(Request(i, float(i), 20000, 1000))
+    assert sched._whole_work(Request(9, 0.0, 20000, 1000)) == pytest.approx(0.204 + 1000 * 0.52936 / 256)
+    assert sched._shed == set()
+    sched.add(Request(6, 5.0, 20000, 1001))
+    sched.add(Request(7, 5.0, 100, 2))
+    assert sched._shed == {6} and sched.num_shed == 1
+    sched._order(5.0)
+    assert sched.waiting[-1].id == 6 and 6 in sched._late
+    sched.add(Request(8, 15.5, 20000, 1001))
+    assert sched._shed == {6}
