@@ -734,6 +734,8 @@ def print_summary(s: dict, console: Console) -> None:
     tput.add_row("preemptions", str(s["preemptions"]))
     if "jobs_set_aside" in s:  # bullet: prefill jobs set aside between slices for an urgent prompt
         tput.add_row("prefill jobs set aside", f"{s['jobs_set_aside']:,}")
+    if "requests_deferred" in s:  # bullet: arrivals deferred under overload (ordered as late requests)
+        tput.add_row("requests deferred (overload)", f"{s['requests_deferred']:,}")
     if "latency_model" in s:
         tput.add_row("latency model", re.sub(r"^fitted: profiles/([^/]+/[^/]+)/model\.json$", r"fitted (shipped, \1)",
                                              s["latency_model"]))
