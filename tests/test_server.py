@@ -839,3 +839,22 @@ def test_launch_gap_counts_back_to_back_launches_of_the_same_requests():
     labels = {"model_name": "m", "lane": "decode"}
     assert get("bullet:launch_gap_seconds_count", labels) == 1
     assert get("bullet:launch_gap_seconds_sum", labels) == pytest.approx(3e-4)
+
+
+def test_policy_events_exported_from_the_schedulers_counters():
+    """``bullet:policy_events{event}``: what the policy counts of its own decisions (bullet: prefill jobs set
+    aside, requests deferred under overload), set from ``Scheduler.counters()`` after each engine step."""
+    from types import SimpleNamespace
+
+    from bullet.server.metrics import ServerMetrics
+    from tests.latency import LinearLatency
+
+    sm = ServerMetrics("m", LinearLatency(2), 2)
+    kv = SimpleNamespace(num_free=30, num_blocks=40)
+    sched = SimpleNamespace(running=[1, 2], waiting=[3], kv=kv,
+                            counters=lambda: {"jobs_set_aside": 2, "requests_deferred": 7})
+    sm.after_step(SimpleNamespace(scheduler=sched))
+    get = sm.registry.get_sample_value
+    assert get("bullet:policy_events", {"model_name": "m", "event": "requests_deferred"}) == 7
+    assert get("bullet:policy_events", {"model_name": "m", "event": "jobs_set_aside"}) == 2
+    assert get("vllm:kv_cache_usage_perc", {"model_name": "m"}) == pytest.approx(0.25)

@@ -62,6 +62,9 @@ class ServerMetrics:
                              "its next launch when that one goes on with some of the same requests: the host's "
                              "time between back-to-back launches (results, planning, input preparation), which "
                              "a simulation does not have.", m + ["lane"], buckets=GAP_BUCKETS, registry=reg)
+        self.policy_events = Gauge("bullet:policy_events", "Decisions the policy counts since start, by event "
+                                   "(bullet: jobs_set_aside, requests_deferred under overload).",
+                                   m + ["event"], registry=reg)
         self.latency, self.num_layers = latency, num_layers
         self._flight: dict[str, tuple[Batch, float, Work]] = {}  # lane -> (batch, predicted seconds, work)
         self._last: dict[str, tuple[float, set[int]]] = {}  # lane -> (end of its last launch, its requests)
@@ -102,6 +105,8 @@ class ServerMetrics:
         self.waiting.labels(self.model_name).set(len(sched.waiting))
         kv = sched.kv
         self.kv_usage.labels(self.model_name).set(1.0 - kv.num_free / kv.num_blocks)
+        for event, n in sched.counters().items():
+            self.policy_events.labels(self.model_name, event).set(n)
 
     # ---- event loop ---------------------------------------------------------------------------------
     def first_token(self, ttft: float, delivery: float) -> None:
