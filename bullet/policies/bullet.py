@@ -102,6 +102,7 @@ class DecodeArrays:
         self.slot: dict[int, int] = {}  # request id -> slot
         self.free: list[int] = []  # freed slots (a heap: the lowest is reused first)
         self.size = 0  # slots ever used: the arrays' live prefix
+        self.live = np.zeros(64, bool)  # the slot holds a running request
         self.dec = np.zeros(64, bool)  # the slot holds a running request with a token out (decoding)
         self.comp = np.zeros(64, np.int64)  # num_computed
         self.left = np.zeros(64, np.int64)  # max_new_tokens - num_output
@@ -117,16 +118,17 @@ class DecodeArrays:
         else:
             s, self.size = self.size, self.size + 1
             if s == len(self.dec):  # grow: double every array
-                for name in ("dec", "comp", "left", "t1", "a0"):
+                for name in ("live", "dec", "comp", "left", "t1", "a0"):
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.slot[r.id] = s
+        self.live[s] = True
         self.sync(r)
 
     def leave(self, r: Request) -> None:
         s = self.slot.pop(r.id, None)
         if s is not None:
-            self.dec[s] = False
+            self.live[s] = self.dec[s] = False
             heapq.heappush(self.free, s)
             self._kept = None
 
@@ -661,18 +663,27 @@ class Bullet(LayerSliced):
         kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
         late = []
         shed = self._shed
+        push, pop = heapq.heappush, heapq.heappop
+        j = -1 - free  # the release the next kept request waits for, if it needs one (j >= 0)
+        nrel = len(releases)
         for pos, (deadline, _, known, r) in enumerate(self._by_deadline):
-            if r.id in shed:
+            if shed and r.id in shed:
                 late.append(r)
                 continue
-            heapq.heappush(kept, (-known, -pos, r))
-            t += known * per_token
-            j = len(kept) - 1 - free  # the release this request waits for, if it needs one
-            end = max(t, releases[j] + known * per_token) if 0 <= j < len(releases) else t
+            push(kept, (-known, -pos, r))
+            cost = known * per_token
+            t += cost
+            j += 1
+            end = t
+            if 0 <= j < nrel:
+                seat = releases[j] + cost
+                if seat > t:  # (an if beats a max() call in this per-request loop)
+                    end = seat
             if end > deadline:
-                longest, _, x = heapq.heappop(kept)
+                longest, _, x = pop(kept)
                 t += longest * per_token
                 late.append(x)
+                j -= 1
         skip = {r.id for r in late}
         on_time = [r for _, i, _, r in self._by_deadline if i not in skip]
         if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
@@ -710,8 +721,12 @@ class Bullet(LayerSliced):
             return free, []
         d = self._decode_sms() or self._decode_knee(work, None)
         step = float(self.latency.predict(work, d))
-        ends = sorted(now + step * (r.max_new_tokens - r.num_output) for r in self.running)
-        return free, ends[:fresh - free]
+        arrays = self._arrays
+        if arrays is not None:  # every running request's tokens left, from the arrays (no Python pass)
+            live = arrays.left[:arrays.size][arrays.live[:arrays.size]]
+            return free, (now + step * np.sort(live)[:fresh - free]).tolist()
+        left = sorted([r.max_new_tokens - r.num_output for r in self.running])
+        return free, [now + step * n for n in left[:fresh - free]]
 
     def _late_ones(self, now: float, late: list[Request], on_time: list[Request], per_token: float) -> list[Request]:
         """Count the requests predicted to miss their TTFT; reject them (admission control) or merge each in
