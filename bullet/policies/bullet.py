@@ -716,12 +716,13 @@ class Bullet(LayerSliced):
         free = self.cfg.max_num_seqs - len(self.running) - back
         if fresh <= free:
             return free, []
-        work = self._view(self.running, now).work
+        arrays = self._decode_arrays()
+        kept = arrays._kept if arrays is not None else None  # the decoding requests' Work, if gathered already
+        work = kept[0] if kept is not None else self._view(self.running, now).work
         if not work.seqs:
             return free, []
         d = self._decode_sms() or self._decode_knee(work, None)
         step = float(self.latency.predict(work, d))
-        arrays = self._arrays
         if arrays is not None:  # every running request's tokens left, from the arrays (no Python pass)
             live = arrays.left[:arrays.size][arrays.live[:arrays.size]]
             return free, (now + step * np.sort(live)[:fresh - free]).tolist()
