@@ -42,7 +42,8 @@ def slo_of(trace: str, slo_set: str) -> SloConfig:
 
 
 def policies() -> dict[str, SchedulerConfig]:
-    out = {"bullet": SchedulerConfig(policy="bullet")}
+    out = {"bullet": SchedulerConfig(policy="bullet"),
+           "bullet-deferral": SchedulerConfig(policy="bullet", overload_deferral=True)}
     for t in (512, 1024, 2048, 8192):
         out[f"chunked-{t}"] = SchedulerConfig(policy="chunked", max_batched_tokens=t)
     out["prefill-first"] = SchedulerConfig(policy="prefill-first")
@@ -171,7 +172,7 @@ def main() -> None:
         rate_futs = []
         for t, s in combos:
             shown = _shown(caps, t, s)
-            best = max(caps[t, s, n] for n in names if n != "bullet")
+            best = max(caps[t, s, n] for n in names if not n.startswith("bullet"))
             for frac in (0.5, 0.75, 1.0):
                 for name in shown:
                     tl = name == "bullet" and frac == 0.75
@@ -189,16 +190,17 @@ def main() -> None:
 
     print(f"\nCapacity (req/s at >= 90 % SLO attainment), {args.num_requests} requests per run, latency model "
           f"{args.latency}, {time.perf_counter() - t0:.0f} s on {args.jobs} processes\n")
-    cols = ["bullet", "chunked-512", "chunked-1024", "chunked-2048", "chunked-8192", "prefill-first",
-            "best static", "naive-concurrent", "bullet / best baseline"]
+    cols = ["bullet", "bullet-deferral", "chunked-512", "chunked-1024", "chunked-2048", "chunked-8192", "prefill-first",
+            "best static", "naive-concurrent", "bullet / best baseline", "with deferral"]
     print("| trace | SLOs | " + " | ".join(cols) + " |")
     print("|---|---|" + "---:|" * len(cols))
     for t, s in combos:
         static = max((n for n in names if n.startswith("static")), key=lambda n: caps[t, s, n])
-        best = max(caps[t, s, n] for n in names if n != "bullet")
-        cells = [f"{caps[t, s, n]:.2f}" for n in cols[:6]]
+        best = max(caps[t, s, n] for n in names if not n.startswith("bullet"))
+        cells = [f"{caps[t, s, n]:.2f}" for n in cols[:7]]
         cells += [f"{caps[t, s, static]:.2f} ({static.split('-')[1]} SMs)", f"{caps[t, s, 'naive-concurrent']:.2f}",
-                  f"**{caps[t, s, 'bullet'] / best:.2f}x**" if best else "inf"]
+                  f"**{caps[t, s, 'bullet'] / best:.2f}x**" if best else "inf",
+                  f"{caps[t, s, 'bullet-deferral'] / best:.2f}x" if best else "inf"]
         print(f"| {t} | {s} | " + " | ".join(cells) + " |")
     print("\nAt three rates (fractions of the best baseline's capacity): goodput (req/s), TTFT p90 and TPOT p90 (ms)\n")
     print("| trace | SLOs | rate | policy | attainment | goodput | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |")

@@ -66,6 +66,7 @@ from .cli_options import (
     ModelOpt,
     NumBlocksOpt,
     NumPromptsOpt,
+    OverloadDeferralOpt,
     PolicyOpt,
     PrefillSmsOpt,
     PrefixCachingOpt,
@@ -334,6 +335,7 @@ def simulate(
     layers_per_step: LayersPerStepOpt = None,
     slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
     admission_control: AdmissionControlOpt = False,
+    overload_deferral: OverloadDeferralOpt = False,
     decode_sizes: DecodeSizesOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     tp: Annotated[int | None, typer.Option(
@@ -399,7 +401,7 @@ def simulate(
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                                 layers_per_step=layers_per_step, slo_margin=slo_margin,
-                                admission_control=admission_control, decode_sizes=sizes)
+                                admission_control=admission_control, overload_deferral=overload_deferral, decode_sizes=sizes)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
         kv_blocks = cache.blocks_for(model_spec, gpu_spec)
@@ -457,6 +459,7 @@ def simulate(
         "layers_per_step": layers_per_step,
         "slo_margin": slo_margin if policy.value == "bullet" else None,
         "admission_control": admission_control if policy.value == "bullet" else None,
+        "overload_deferral": overload_deferral if policy.value == "bullet" else None,
         "decode_sizes": list(sizes) if sizes else None,
         "model": model, "tensor_parallel_size": model_spec.tp, "gpu": gpu_spec.name, "latency": latency,
         "latency_model": latency_name(latency_backend),

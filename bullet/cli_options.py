@@ -85,6 +85,11 @@ SloMarginOpt = Annotated[float, typer.Option(
 DEFAULT_SLO_MARGIN = 0.1
 AdmissionControlOpt = Annotated[bool, typer.Option(
     help="bullet: reject at once a request predicted to miss its TTFT.", rich_help_panel=POLICY)]
+OverloadDeferralOpt = Annotated[bool, typer.Option(
+    help="bullet: when the last 10 s of arrivals ask for more work than the GPU does, defer the costliest "
+         "arrivals (ordered as requests predicted late: their TTFT is given up, their wait stays bounded). Raises "
+         "capacity under a sustained overload; costs attainment on short bursts.",
+    rich_help_panel=POLICY)]
 DecodeSizesOpt = Annotated[str | None, typer.Option(
     help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",
     show_default=False, rich_help_panel=POLICY)]
@@ -140,6 +145,7 @@ POLICY_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "--layers-per-step": ("layers_per_step", ("static-split", "naive-concurrent", "bullet")),
     "--slo-margin": ("slo_margin", ("bullet",)),
     "--admission-control": ("admission_control", ("bullet",)),
+    "--overload-deferral": ("overload_deferral", ("bullet",)),
     "--decode-sizes": ("decode_sizes", ("bullet",)),
 }
 

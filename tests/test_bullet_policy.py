@@ -186,8 +186,10 @@ def test_no_starvation_with_requests_shed_on_arrival():
     key(r) = arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
     slo = SloConfig(ttft=0.2, tpot=1.0)
     reqs = overload(0, n=1000, rate=100.0)
-    done, _, sched = run(reqs, slo, max_batched_tokens=2048)
+    done, _, sched = run(reqs, slo, max_batched_tokens=2048, overload_deferral=True)
     assert sched.num_shed > 10
+    _, _, default = run(overload(0, n=1000, rate=100.0), slo, max_batched_tokens=2048)
+    assert default.num_shed == 0  # off unless asked for (--overload-deferral)
     first = {r.id: r.first_token_time for r in done}
     arrivals = sorted((r.arrival, r.id) for r in reqs)
     for r in reqs:
@@ -602,7 +604,7 @@ def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
     from bullet.policies.bullet import SHED_CAPACITY, SHED_WINDOW
 
     assert (SHED_WINDOW, SHED_CAPACITY) == (10.0, 1.15)
-    sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None), overload_deferral=True)
     for i in range(6):
         sched.add(Request(i, float(i), 20000, 1000))
     assert sched._whole_work(Request(9, 0.0, 20000, 1000)) == pytest.approx(0.204 + 1000 * 0.52936 / 256)

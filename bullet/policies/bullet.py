@@ -46,7 +46,9 @@ re-split at every launch of either lane:
   predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
   before it) or when the queue is next ordered (``Request.error``; counted against attainment). Priority for
   KV is admission order (``base.py``), so the no-livelock guarantee holds under this order too.
-* **Overload sheds the costliest arrivals** (``_shed_on_arrival``): a request is deferred on arrival -- put in
+* **Overload sheds the costliest arrivals** (``_shed_on_arrival``, opt-in: ``overload_deferral``; it raised the
+  study's sharegpt capacity 1.25x -> 1.31x and cost up to 9 points of attainment on short bursts, bench/RESULTS.md):
+  a request is deferred on arrival -- put in
   the late set, keyed like every late request (deadline + ``LATE_GRACE`` targets, so the starvation bound
   holds) -- when the last ``SHED_WINDOW`` of arrivals cheaper than it in whole-GPU work already carry more
   than ``SHED_CAPACITY`` times their span. The queue's snapshot does not see the decode work that holds the
@@ -241,7 +243,7 @@ class Bullet(LayerSliced):
                 raise SchedulingError(f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > "
                                       f"target {1e3 * target:.0f} ms")
         self.target[req.id], self.deadline[req.id] = target, deadline
-        if target < math.inf and self._shed_on_arrival(req):
+        if self.cfg.overload_deferral and target < math.inf and self._shed_on_arrival(req):
             self._shed.add(req.id)
             self.num_shed += 1
         keys = self._queued[req.id] = ((deadline, req.id, req.known, req), (req.known, req.id, deadline, req))
