@@ -375,10 +375,10 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
 
     view, order, seen = mod.Bullet._view, mod.Bullet._order, {"arrays": 0, "orders": 0}
 
-    def checked_view(self, reqs, now):
-        got = view(self, reqs, now)
+    def checked_view(self, reqs, now, **kw):
+        got = view(self, reqs, now, **kw)
         if reqs is self.running and self._arrays is not None:
-            assert got == view(self, list(reqs), now)
+            assert got == view(self, list(reqs), now, **kw)
             seen["arrays"] += 1
         return got
 

@@ -159,6 +159,10 @@ class DecodeArrays:
         self.left[slots] -= steps
         self._kept = None
 
+    def gathered_work(self) -> Work | None:
+        """The decoding requests' next-step Work as the last :meth:`view` gathered it, if nothing changed since."""
+        return None if self._kept is None else self._kept[0]
+
     def view(self, now: float, lend: bool, cap: float, pace: float, num_layers: int) -> DecodeView:
         """:meth:`Bullet._view` over every decoding request."""
         kept = self._kept
@@ -440,20 +444,11 @@ class Bullet(LayerSliced):
         ``BORROW_CAP`` cap, ``a - (T - n - 1) * BORROW_PACE * tpot`` (its other remaining steps then at that
         pace), at least its step budget; 0 while loans are off (``BORROW_SEATS``), inf without a TPOT target.
         Requests whose budget is already spent are left out, as in :meth:`_view`."""
-        tpot = self.slo.tpot
-        if tpot is None:
+        if self.slo.tpot is None:
             return math.inf
         if len(self.running) >= BORROW_SEATS * self.cfg.max_num_seqs:
             return 0.0
-        pace, room = BORROW_PACE * tpot, math.inf
-        for r in self._decoding():
-            left = r.max_new_tokens - r.num_output
-            if not r.num_output or left <= 0 or r.first_token_time is None:
-                continue
-            a = tpot * (r.max_new_tokens - 1) - (now - r.first_token_time)
-            if a > 0:
-                room = min(room, max(a - (left - 1) * pace, a / left))
-        return room
+        return self._view(self._decoding(), now, cap=math.inf).loan
 
     def _prefill_need(self, now: float) -> int:
         """The smallest prefill size that ends the rest of the job (all its remaining layers) by the earliest
@@ -532,18 +527,18 @@ class Bullet(LayerSliced):
         skip = {r.id for r in job[1]}
         return [r for r in self.running if r.id not in skip]
 
-    def _view(self, reqs, now: float) -> DecodeView:
+    def _view(self, reqs, now: float, cap: float = BORROW_CAP) -> DecodeView:
         """One pass over ``reqs`` that have a token out (decoding): the Work of their next step, the
         tightest per-step time that keeps every TPOT, and the tightest loan. Request r, with n of its T
         tokens out and the first at t1, keeps TPOT if its T - n remaining steps average at most
         ``b = a / (T - n)``, ``a = tpot * (T - 1) - (now - t1)``: slack it built up may be spent, a deficit
         must be made up. Its loan is ``a - (T - n - 1) * BORROW_PACE * tpot`` (the next step may take what
-        leaves its other steps that pace), at most ``BORROW_CAP * tpot`` and at least ``b``; ``b`` while
+        leaves its other steps that pace), at most ``cap * tpot`` (``BORROW_CAP``) and at least ``b``; ``b`` while
         ``BORROW_SEATS`` of the seats are taken. A request whose budget is already spent is left out (it
         misses whatever the split); inf without a TPOT target."""
         tpot = self.slo.tpot
         lend = tpot is not None and len(self.running) < BORROW_SEATS * self.cfg.max_num_seqs
-        cap, pace = (BORROW_CAP * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
+        cap, pace = (cap * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
         arrays = self._decode_arrays() if reqs is self.running else None
         if arrays is not None:
             return arrays.view(now, lend, cap, pace, self.model.num_layers)
@@ -719,8 +714,9 @@ class Bullet(LayerSliced):
         if fresh <= free:
             return free, []
         arrays = self._decode_arrays()
-        kept = arrays._kept if arrays is not None else None  # the decoding requests' Work, if gathered already
-        work = kept[0] if kept is not None else self._view(self.running, now).work
+        work = arrays.gathered_work() if arrays is not None else None
+        if work is None:
+            work = self._view(self.running, now).work
         if not work.seqs:
             return free, []
         d = self._decode_sms() or self._decode_knee(work, None)
