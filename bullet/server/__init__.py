@@ -112,11 +112,12 @@ def _model_executor(spec, gpu_spec, gpu: str, device: str, weights: str, cache: 
             log.info("warm-up: attention plans for %d prompt lengths and the eager kernels in %.1f s", n,
                      time.perf_counter() - t)
         if not cpu and use_graphs:  # decode graphs of the policy's partitions, before the first request
-            t, free = time.perf_counter(), torch.cuda.mem_get_info(ex.device)[0]
+            t, before = time.perf_counter(), torch.cuda.mem_get_info(ex.device)[0]
             counts = prepare_graphs(ex, sched, gpu_spec)
-            log.info("CUDA graphs: %d decode, %d prefill/mixed in %.1f s, %.2f GiB (%.1f GiB of the device "
-                     "left free)", counts["decode"], counts["prefill"], time.perf_counter() - t,
-                     (free - torch.cuda.mem_get_info(ex.device)[0]) / 2**30, torch.cuda.mem_get_info(ex.device)[0] / 2**30)
+            after = torch.cuda.mem_get_info(ex.device)[0]
+            log.info("CUDA graphs: %d decode, %d prefill/mixed in %.1f s, %.2f GiB (%.1f GiB of the device left "
+                     "free)", counts["decode"], counts["prefill"], time.perf_counter() - t, (before - after) / 2**30,
+                     after / 2**30)
 
     return ex, thread_init
 
