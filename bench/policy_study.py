@@ -1,7 +1,8 @@
 """Policy study (simulated): capacity of every policy on the bundled traces, Llama-3.1-8B on an H200.
 
 Capacity = the highest request rate at which >= 90 % of requests meet both SLOs (DistServe's goodput
-definition), by bisection over each trace rescaled to each rate (``simulator/capacity.py``). Policies: bullet;
+definition), by bisection over each trace rescaled to each rate (``simulator/capacity.py``). Policies: bullet
+(and bullet with its opt-in ``overload_deferral``, reported beside it, never counted as a baseline);
 chunked prefill at 512, 1024, 2048 and 8192 tokens; prefill-first; static-split at every other prefill size of
 the nested menu (the best one is reported); naive-concurrent. Two SLO sets: the Bullet paper's (TTFT per
 prompt token 3.0 / 1.5 / 1.5 ms and TPOT 150 / 200 / 175 ms for sharegpt / azure-code / arxiv) and a tight
