@@ -527,18 +527,18 @@ class Bullet(LayerSliced):
         skip = {r.id for r in job[1]}
         return [r for r in self.running if r.id not in skip]
 
-    def _view(self, reqs, now: float, cap: float = BORROW_CAP) -> DecodeView:
+    def _view(self, reqs, now: float, cap: float | None = None) -> DecodeView:
         """One pass over ``reqs`` that have a token out (decoding): the Work of their next step, the
         tightest per-step time that keeps every TPOT, and the tightest loan. Request r, with n of its T
         tokens out and the first at t1, keeps TPOT if its T - n remaining steps average at most
         ``b = a / (T - n)``, ``a = tpot * (T - 1) - (now - t1)``: slack it built up may be spent, a deficit
         must be made up. Its loan is ``a - (T - n - 1) * BORROW_PACE * tpot`` (the next step may take what
-        leaves its other steps that pace), at most ``cap * tpot`` (``BORROW_CAP``) and at least ``b``; ``b`` while
+        leaves its other steps that pace), at most ``cap`` (default ``BORROW_CAP``) times ``tpot`` and at least ``b``; ``b`` while
         ``BORROW_SEATS`` of the seats are taken. A request whose budget is already spent is left out (it
         misses whatever the split); inf without a TPOT target."""
         tpot = self.slo.tpot
         lend = tpot is not None and len(self.running) < BORROW_SEATS * self.cfg.max_num_seqs
-        cap, pace = (cap * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
+        cap, pace = ((BORROW_CAP if cap is None else cap) * tpot, BORROW_PACE * tpot) if lend else (0.0, 0.0)
         arrays = self._decode_arrays() if reqs is self.running else None
         if arrays is not None:
             return arrays.view(now, lend, cap, pace, self.model.num_layers)
