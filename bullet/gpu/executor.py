@@ -292,6 +292,15 @@ class GpuExecutor:
         self.prefill_graphs.clear()  # their buffers were used on green streams: free them while those live
         self._inflight.clear()
         self._held.clear()
+        # pinned read-back buffers record an event on the streams they were copied on when they are freed: a
+        # buffer outliving its green stream aborts the process at exit (measured on the H200: "context is
+        # destroyed" from ~TensorImpl after close())
+        self._host_bufs.clear()
+        self._timing_events.clear()
+        self._done_events.clear()
+        if self.cuda:  # let the host allocator settle those events while the streams still exist
+            torch.cuda.synchronize(self.device)
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
         if self._own_menu:  # a menu passed in belongs to the caller
             self.menu.close()
 
