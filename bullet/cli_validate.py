@@ -199,15 +199,20 @@ def print_summary(reports, policy: str, max_error: float, console: Console) -> N
     """One row per run: the gated errors side by side."""
     t = Table(title=f"{policy} · simulator error per run (gated at {max_error:g} %)", title_justify="left")
     cols = ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")
-    for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst"):
+    for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst", "launch speed", "worst at it"):
         t.add_column(col, justify="left" if col == "trace" else "right")
     for tr, rt, rep in reports:
         err = {r["metric"]: 100 * r["error"] for r in rep.rows}
         cells = [f"{err[c]:+.1f} %" for c in cols]
         worst = 100 * rep.worst()
         mark = "[red]✗[/red]" if worst > max_error else "[green]✓[/green]"
-        t.add_row(str(tr), "trace" if rt is None else f"{rt:g}", *cells, f"{worst:.1f} % {mark}")
+        at = 100 * rep.worst(rep.speed_rows)
+        t.add_row(str(tr), "trace" if rt is None else f"{rt:g}", *cells, f"{worst:.1f} % {mark}",
+                  f"{rep.speed[0]:.3f} / {rep.speed[1]:.3f}", f"{at:.1f} %")
     console.print(t)
+    console.print("launch speed: the run's launches took this many times the model's prediction (with prompt "
+                  "rows / decode only); worst at it: the gated error of the run simulated again with the "
+                  "predictions scaled so (what is left when this card's speed is known)")
 
 
 def print_report(rep, title: str, max_error: float, console: Console) -> None:
@@ -243,4 +248,6 @@ def print_report(rep, title: str, max_error: float, console: Console) -> None:
                       f"{' ...' if len(stalled) > 3 else ''} (a kernel compiled or an attention plan built in the "
                       "middle of the run? python3 bench/first_launch.py on the GPU shows what the warm-up "
                       "misses)[/yellow]")
-    console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %")
+    console.print(f"* gated at {max_error:g} %: worst {100 * rep.worst():.1f} %; at the run's own launch speed "
+                  f"(x{rep.speed[0]:.3f} with prompt rows, x{rep.speed[1]:.3f} decode only): worst "
+                  f"{100 * rep.worst(rep.speed_rows):.1f} %")

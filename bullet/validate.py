@@ -23,7 +23,7 @@ from .engine import serve
 from .kvcache import BlockManager
 from .metrics import request_columns, summarize
 from .perfmodel import LatencyModel, Work, work_of
-from .perfmodel.base import CachedLatency, partly_co_run, step_times
+from .perfmodel.base import CachedLatency, ScaledLatency, partly_co_run, step_times
 from .policies import make_scheduler
 from .request import Request
 
@@ -41,14 +41,20 @@ class Report:
     launch_rows: list[dict] = field(default_factory=list)  # each real launch: its work, measured and predicted
     real_cdf: dict = field(default_factory=dict)  # metric -> sorted values (ms)
     sim_cdf: dict = field(default_factory=dict)
+    # the run simulated again at its own launch speed (:func:`launch_speed`): factors and error rows
+    speed: tuple[float, float] = (1.0, 1.0)
+    speed_rows: list[dict] = field(default_factory=list)
 
-    def worst(self) -> float:
-        """The largest gated |error| (fraction)."""
-        return max((abs(r["error"]) for r in self.rows if r["gated"] and np.isfinite(r["error"])), default=0.0)
+    def worst(self, rows: list[dict] | None = None) -> float:
+        """The largest gated |error| (fraction) of ``rows`` (the simulation's: :attr:`rows`)."""
+        rows = self.rows if rows is None else rows
+        return max((abs(r["error"]) for r in rows if r["gated"] and np.isfinite(r["error"])), default=0.0)
 
     def to_json(self) -> dict:
         return {"real": self.real, "sim": self.sim, "errors": self.rows, "launches": self.launches,
-                "stalls": stalls(self.launch_rows), "worst_gated_error": self.worst()}
+                "stalls": stalls(self.launch_rows), "worst_gated_error": self.worst(),
+                "at_launch_speed": {"prefill": self.speed[0], "decode": self.speed[1], "errors": self.speed_rows,
+                                    "worst_gated_error": self.worst(self.speed_rows)}}
 
 
 def error(real: float, sim: float) -> float:
@@ -172,6 +178,19 @@ def stalls(launch_rows: Sequence[dict]) -> list[dict]:
             and r["measured_ms"] - typical * r["predicted_ms"] > 1e3 * STALL_S]
 
 
+def launch_speed(launch_rows: Sequence[dict]) -> tuple[float, float]:
+    """The run's measured over predicted launch time, summed, for launches with prompt rows and for
+    decode-only launches (1.0 where there are none): how much faster or slower this card ran the model's
+    launches. :func:`validate` simulates the run again with its predictions scaled by these
+    (:class:`~bullet.perfmodel.base.ScaledLatency`), which tells a card's speed from the rest of an error."""
+    out = []
+    for prompt in (True, False):
+        rs = [r for r in launch_rows if (r["tokens"] > r["seqs"]) == prompt]
+        pred = sum(r["predicted_ms"] for r in rs)
+        out.append(sum(r["measured_ms"] for r in rs) / pred if rs and pred > 0 else 1.0)
+    return out[0], out[1]
+
+
 def back_to_back(spans: Iterable[tuple[str, float, float, int]]) -> list[tuple[float, int]]:
     """Of launches given as (lane, start, end, requests): the gap before each one its lane started within
     :data:`BACK_TO_BACK` of the previous one's end (the engine relaunched it at once: its own host time between
@@ -223,6 +242,11 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
                  launch_errors([launch_of(r, model.num_layers) for r in results], latency, model.num_layers, rows,
                                tuple(sim_run.summary["config"]["host_gap_s"])),
                  launch_rows=rows)
+    rep.speed = launch_speed(rows)
+    at_speed = simulate(make_requests(), model, gpu, sched,
+                        CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching),
+                        slo, ScaledLatency(latency, *rep.speed), host_gap=host_gap, timeline=False)
+    rep.speed_rows = compare(real, at_speed.summary)
     for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
         cdf = rep.real_cdf if name == "real" else rep.sim_cdf
         for m in ("ttft", "tpot"):

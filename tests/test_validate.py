@@ -58,6 +58,32 @@ def test_simulator_timed_executor_has_zero_error(policy):
     assert all(abs(r["error"]) < 1e-9 for r in rep.rows), [r for r in rep.rows if abs(r["error"]) >= 1e-9]
     assert rep.worst() < 1e-9
     assert all(abs(k["error_pct_p50"]) < 1e-6 for k in rep.launches)  # each launch took what the model said
+    assert rep.speed == pytest.approx((1.0, 1.0)) and rep.worst(rep.speed_rows) < 1e-9
+
+
+def test_a_uniformly_slower_card_is_its_launch_speed():
+    """The "real" launches are timed by the model with every term 1.3x (a card 1.3x slower than the profiled
+    one): every launch took 1.3x its prediction, so the launch speed is 1.3 for both kinds, and the run
+    simulated again at that speed has the simulator-timed run's zero error back, although the plain
+    simulation is far off."""
+    gpu = GPUS["h200"]
+    lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
+    card = LinearLatency(SPEC.num_layers, base=2.6e-3, per_token=1.3e-3, per_kv=1.3e-7)
+    real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED)
+    ex = SimTimed(real, SimExecutor(card, SPEC.num_layers, gpu))
+
+    def reqs():
+        out = make_requests(9, seed=4, with_ids=True)
+        for i, r in enumerate(out):
+            r.arrival = 0.004 * i
+        return out
+
+    cfg = SchedulerConfig(policy="chunked", max_batched_tokens=48)
+    rep = validate(reqs, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
+    real.close()
+    assert rep.speed == pytest.approx((1.3, 1.3))
+    assert rep.worst() > 0.15  # every latency ~1/1.3 of the real one
+    assert rep.worst(rep.speed_rows) < 1e-6, [r for r in rep.speed_rows if abs(r["error"]) >= 1e-6]
 
 
 def test_validate_command_on_the_cpu(tmp_path):
@@ -238,3 +264,34 @@ def test_stalls_name_launches_far_over_their_prediction():
     cpu = [row(3000.0, 50.0)] * 10 + [row(30000.0, 50.0), row(6000.0, 50.0)]
     assert [r["n"] for r in stalls(cpu)] == [10]  # median 60x: 30 s is 10x that, 6 s only 2x (not over)
     assert stalls([]) == []
+
+
+def test_launch_speed_by_hand():
+    from bullet.validate import launch_speed
+
+    rows = [{"tokens": 100, "seqs": 1, "measured_ms": 30.0, "predicted_ms": 20.0},  # with prompt rows
+            {"tokens": 40, "seqs": 8, "measured_ms": 10.0, "predicted_ms": 20.0},  # mixed: prompt rows too
+            {"tokens": 8, "seqs": 8, "measured_ms": 9.0, "predicted_ms": 10.0}]  # decode only
+    assert launch_speed(rows) == pytest.approx((40 / 40, 9 / 10))
+    assert launch_speed(rows[:2]) == pytest.approx((1.0, 1.0))  # no decode-only launch: 1.0
+    assert launch_speed([]) == (1.0, 1.0)
+
+
+def test_scaled_latency_scales_each_kind_by_its_factor():
+    from bullet.perfmodel import Work
+    from bullet.perfmodel.base import ScaledLatency
+
+    lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
+    prompt = Work(SPEC.num_layers, 64, 2, 2048.0, 64, 2, True, 32)
+    decode = Work(SPEC.num_layers, 8, 8, 0.0, 800, 8, True, 100)
+    s = ScaledLatency(lat, 1.5, 0.5)
+    # LinearLatency by hand: (base + per_token * tokens + per_kv * kv_read) at 132 of 132 SMs
+    assert s.predict(prompt, 132) == pytest.approx(1.5 * (2e-3 + 64e-3 + 64e-7))
+    assert s.predict(decode, 66) == pytest.approx(0.5 * 2 * (2e-3 + 8e-3 + 800e-7))
+    times, ends = s.decode_step_ends(decode, 3, 132)
+    assert times == pytest.approx([0.5 * (2e-3 + 8e-3 + (800 + 8 * k) * 1e-7) for k in range(3)])
+    assert ends == pytest.approx(np.cumsum(times))
+    assert s.num_layers == SPEC.num_layers  # the rest is the wrapped model's
+    for bad in ((0.0, 1.0), (1.0, float("nan")), (-1.0, 1.0), (float("inf"), 1.0)):
+        with pytest.raises(ValueError, match="positive and finite"):
+            ScaledLatency(lat, *bad)

@@ -7,7 +7,7 @@ later) can be swapped without either noticing.
 from __future__ import annotations
 
 from itertools import accumulate
-from math import sqrt
+from math import isfinite, sqrt
 from operator import add
 from typing import NamedTuple, Protocol
 
@@ -144,6 +144,37 @@ def step_ends(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: 
     if isinstance(latency, CachedLatency):
         return latency.step_ends(first, steps, num_sms, co, co_sms)
     return np.cumsum(step_times(latency, first, steps, num_sms, co, co_sms))
+
+
+class ScaledLatency:
+    """A latency model whose predictions are multiplied by one factor for launches with prompt rows
+    (``prefill``) and another for decode-only launches (``decode``): a card that runs the profiled launches
+    faster or slower. Compute-bound launches under the H200's 700 W cap differ from card to card: whole-GPU
+    prefill ran at 0.91x and 1.02x of the shipped profile on two lent cards of one day (bench/RESULTS.md,
+    sixteenth session). Anything else is the wrapped model's."""
+
+    def __init__(self, model: LatencyModel, prefill: float, decode: float) -> None:
+        if not (prefill > 0 and decode > 0 and isfinite(prefill) and isfinite(decode)):
+            raise ValueError(f"ScaledLatency: factors must be positive and finite, got {prefill!r}, {decode!r}")
+        self.model, self.prefill, self.decode = model, float(prefill), float(decode)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def _factor(self, work: Work) -> float:
+        return self.prefill if work.tokens > work.seqs else self.decode
+
+    def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
+        return self.model.predict(work, num_sms, co, co_sms) * self._factor(work)
+
+    def decode_steps(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
+                     co_sms: int = 0) -> np.ndarray:
+        return np.asarray(self.model.decode_steps(work, steps, num_sms, co, co_sms)) * self._factor(work)
+
+    def decode_step_ends(self, work: Work, steps: int, num_sms: int, co: Work | None = None,
+                         co_sms: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        times = self.decode_steps(work, steps, num_sms, co, co_sms)
+        return times, times.cumsum()
 
 
 class CachedLatency:
