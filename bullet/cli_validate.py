@@ -69,6 +69,11 @@ def validate(
         help="Capture prefill/mixed-launch CUDA graphs (token buckets up to 512) for the policy's partitions "
              "before serving; small launches then replay them instead of ~300 eager kernel launches.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    save_scaled: Annotated[Path | None, typer.Option(
+        help="Write the fitted latency model scaled by the launch speed measured over all runs (this card's "
+             "measured / predicted launch time, with prompt rows and decode-only) to this JSON file: a model of "
+             "this card, for --latency PATH in every command. Measured on the H200 it helps single-lane "
+             "policies (chunked) most; co-run contention is not a scale (bench/RESULTS.md).")] = None,
     out: Annotated[Path | None, typer.Option(help="Folder for report.json, cdf.png and launches.csv (every "
                                                    "real launch: its work, the fraction the other lane "
                                                    "overlapped, measured and predicted ms).")]
@@ -84,6 +89,10 @@ def validate(
     if out is not None and out.exists() and not out.is_dir():
         raise fail(f"--out {out}: exists and is not a folder")
     gap = parse_host_gap(host_gap)
+    if save_scaled is not None:
+        from .cli import check_out_file
+
+        check_out_file(save_scaled, "--save-scaled")
     try:
         from simulator.run import latency_model
 
@@ -93,6 +102,9 @@ def validate(
                               layers_per_step=layers_per_step, decode_sizes=sizes)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         lat = latency_model(latency, spec, gpu_spec)
+        if save_scaled is not None and not hasattr(lat, "scaled"):
+            raise ConfigError(f"--save-scaled scales a fitted latency model; --latency {latency} gives the "
+                              f"{type(lat).__name__}")
         if rate is not None and load is not None:
             raise ConfigError("give --rate or --load, not both")
         traces, rates = parse_list(trace, str, "--trace"), parse_list(rate, float, "--rate") if rate else [None]
@@ -170,8 +182,11 @@ def validate(
                     console.print("matplotlib missing: no cdf.png")
             if not as_json:
                 print_report(rep, title, max_error, console)
+        card = _card_name(device) if save_scaled is not None else ""
     finally:
         ex.close()
+    if save_scaled is not None:
+        _save_scaled(save_scaled, lat, reports, policy, card, console)
     if as_json:
         doc = reports[0][2].to_json() if len(reports) == 1 else \
             {"runs": [{"trace": tr, "rate": rt, **({"capacity": caps[tr]} if tr in caps else {}), **rep.to_json()}
@@ -182,6 +197,35 @@ def validate(
         print_summary(reports, policy, max_error, console)
     if max(rep.worst() for *_, rep in reports) * 100 > max_error:
         raise typer.Exit(1)
+
+
+def _card_name(device: str) -> str:
+    """The device's name and UUID where torch knows them (the card a scale was measured on)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return device
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return f"{props.name} {getattr(props, 'uuid', '')}".strip()
+
+
+def _save_scaled(path: Path, lat, reports, policy: str, card: str, console: Console) -> None:
+    """``lat`` scaled by the launch speed of all ``reports``' launches pooled, written to ``path``."""
+    import datetime as dt
+
+    from .metrics import atomic_write
+    from .validate import launch_speed
+
+    rows = [r for *_, rep in reports for r in rep.launch_rows]
+    a, b = launch_speed(rows)
+    runs = [f"{Path(tr).stem}@{rt:g}" if rt is not None else Path(tr).stem for tr, rt, _ in reports]
+    scaled = lat.scaled(a, b, card=card, policy=policy, runs=runs, launches=len(rows),
+                        measured=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with atomic_write(path) as f:
+        json.dump(scaled.data, f, indent=1)
+        f.write("\n")
+    console.print(f"wrote {path}: {scaled.name} (launches with prompt rows x{a:.3f}, decode-only x{b:.3f} of "
+                  f"the model, {len(rows)} launches on {card})")
 
 
 def parse_list(text: str, kind, flag: str) -> list:
@@ -199,7 +243,7 @@ def print_summary(reports, policy: str, max_error: float, console: Console) -> N
     """One row per run: the gated errors side by side."""
     t = Table(title=f"{policy} · simulator error per run (gated at {max_error:g} %)", title_justify="left")
     cols = ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")
-    for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst", "launch speed", "worst at it"):
+    for col in ("trace", "rate", *(c.replace(" (ms)", "") for c in cols), "worst", "speed", "at speed"):
         t.add_column(col, justify="left" if col == "trace" else "right")
     for tr, rt, rep in reports:
         err = {r["metric"]: 100 * r["error"] for r in rep.rows}
@@ -207,11 +251,11 @@ def print_summary(reports, policy: str, max_error: float, console: Console) -> N
         worst = 100 * rep.worst()
         mark = "[red]✗[/red]" if worst > max_error else "[green]✓[/green]"
         at = 100 * rep.worst(rep.speed_rows)
-        t.add_row(str(tr), "trace" if rt is None else f"{rt:g}", *cells, f"{worst:.1f} % {mark}",
-                  f"{rep.speed[0]:.3f} / {rep.speed[1]:.3f}", f"{at:.1f} %")
+        t.add_row(Path(tr).stem, "trace" if rt is None else f"{rt:g}", *cells, f"{worst:.1f} % {mark}",
+                  f"{rep.speed[0]:.3g}/{rep.speed[1]:.3g}", f"{at:.1f} %")
     console.print(t)
-    console.print("launch speed: the run's launches took this many times the model's prediction (with prompt "
-                  "rows / decode only); worst at it: the gated error of the run simulated again with the "
+    console.print("speed: the run's launches took this many times the model's prediction (with prompt rows / "
+                  "decode only); at speed: the worst gated error of the run simulated again with the "
                   "predictions scaled so (what is left when this card's speed is known)")
 
 

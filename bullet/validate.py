@@ -191,6 +191,13 @@ def launch_speed(launch_rows: Sequence[dict]) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def at_speed_of(latency: LatencyModel, prefill: float, decode: float) -> LatencyModel:
+    """``latency`` with its launch times scaled (:func:`launch_speed`'s factors): a fitted model's own
+    :meth:`~bullet.perfmodel.fitted.FittedModel.scaled` (what ``--save-scaled`` writes), any other wrapped."""
+    scaled = getattr(latency, "scaled", None)
+    return scaled(prefill, decode) if scaled is not None else ScaledLatency(latency, prefill, decode)
+
+
 def back_to_back(spans: Iterable[tuple[str, float, float, int]]) -> list[tuple[float, int]]:
     """Of launches given as (lane, start, end, requests): the gap before each one its lane started within
     :data:`BACK_TO_BACK` of the previous one's end (the engine relaunched it at once: its own host time between
@@ -245,7 +252,7 @@ def validate(make_requests: Callable[[], list[Request]], executor, model: ModelS
     rep.speed = launch_speed(rows)
     at_speed = simulate(make_requests(), model, gpu, sched,
                         CacheConfig(num_blocks=num_blocks, block_size=block_size, prefix_caching=prefix_caching),
-                        slo, ScaledLatency(latency, *rep.speed), host_gap=host_gap, timeline=False)
+                        slo, at_speed_of(latency, *rep.speed), host_gap=host_gap, timeline=False)
     rep.speed_rows = compare(real, at_speed.summary)
     for name, cols in (("real", real_cols), ("sim", sim_run.columns)):
         cdf = rep.real_cdf if name == "real" else rep.sim_cdf

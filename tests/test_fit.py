@@ -506,3 +506,33 @@ def test_short_decode_stretches_in_plain_floats_equal_the_numpy_path(real_model)
         times, ends = fm.decode_step_ends(w, steps, n, co, cs)
         ref = fm.decode_steps(w, steps, n, co, cs)
         assert np.array_equal(np.asarray(times), ref) and np.array_equal(ends, ref.cumsum())
+
+
+def test_a_scaled_model_is_the_card_factor_times_its_gpu_time(tmp_path):
+    """``scaled(a, b)``: a launch with prompt rows takes ``a`` times the GPU time, a decode-only launch ``b``
+    times (beside a co-runner too, to the slowdown's change); host time is not scaled; the
+    factors compose, round-trip through the JSON file, and a bad one is named."""
+    fm = FittedModel(truth_model().data, host=False)
+    card = fm.scaled(0.9, 1.2, card="test")
+    dec = Work(32, 64, 64, 64 * 2000.0, 64 * 2000, 64, True, 2000)
+    pre = Work(32, 2048, 1, 2048 * 2049 / 2, 2048, 1, True, 2048)
+    for n in (40, 92, 132):
+        assert card.predict(pre, n) == pytest.approx(0.9 * fm.predict(pre, n), rel=1e-12)
+        assert card.predict(dec, n) == pytest.approx(1.2 * fm.predict(dec, n), rel=1e-12)
+        assert card.decode_steps(dec, 5, n) == pytest.approx(1.2 * fm.decode_steps(dec, 5, n), rel=1e-12)
+    # beside a co-runner: the slowdown reads the co-runner's bandwidth from its (scaled) time, so the factor
+    # holds to the slowdown's small change, not exactly
+    assert card.predict(pre, 92, dec, 40) == pytest.approx(0.9 * fm.predict(pre, 92, dec, 40), rel=1e-4)
+    assert card.host_time(pre) == fm.host_time(pre)
+    assert "x0.900/1.200" in card.name and card.data["scale"]["card"] == "test"
+    back = card.scaled(1 / 0.9, 1 / 1.2)
+    assert back.predict(pre, 132) == pytest.approx(fm.predict(pre, 132), rel=1e-12)
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps(card.data))
+    again = FittedModel.load(path)
+    assert again.predict(dec, 132) == card.predict(dec, 132) and again.scale == (0.9, 1.2)
+    for bad, field in (({"prefill": 0, "decode": 1}, "scale.prefill"), ({"prefill": 1}, "scale.decode"),
+                       ({"prefill": 1, "decode": "x"}, "scale.decode"), ([1, 2], "scale: not an object")):
+        path.write_text(json.dumps({**fm.data, "scale": bad}))
+        with pytest.raises(ConfigError, match=f"{path}.*{field}"):
+            FittedModel.load(path)

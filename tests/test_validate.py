@@ -295,3 +295,46 @@ def test_scaled_latency_scales_each_kind_by_its_factor():
     for bad in ((0.0, 1.0), (1.0, float("nan")), (-1.0, 1.0), (float("inf"), 1.0)):
         with pytest.raises(ValueError, match="positive and finite"):
             ScaledLatency(lat, *bad)
+
+
+def test_save_scaled_writes_the_model_at_the_runs_launch_speed(tmp_path):
+    """``--save-scaled``: the fitted model with its scale = the launch speed pooled over every run's launches
+    (recomputed here from launches.csv), which loads and predicts that much slower or faster; refused up front
+    for a model that is not fitted."""
+    import csv
+
+    from bullet.config import MODELS
+    from bullet.perfmodel import FittedModel, Work
+    from tests.test_fit import truth_model
+
+    data = truth_model().data
+    tiny = MODELS["tiny-llama"]
+    data["model_spec"] = {k: getattr(tiny, k) for k in data["model_spec"]}
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(data))
+    trace = tmp_path / "short.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n30,4\n12,6\n50,3\n8,5\n25,2\n")
+    args = ["validate", "--device", "cpu", "--model", "tiny-llama", "--trace", str(trace), "--num-requests", "5",
+            "--rate", "50", "--max-error", "1e9"]
+    out = tmp_path / "card.json"
+    res = runner.invoke(app, [*args, "--latency", str(model), "--out", str(tmp_path / "v"), "--save-scaled", str(out)])
+    assert res.exit_code == 0, res.output
+    with open(tmp_path / "v" / "launches.csv") as f:
+        rows = list(csv.DictReader(f))
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    for r in rows:
+        s = sums[int(r["tokens"]) > int(r["seqs"])]
+        s[0] += float(r["measured_ms"])
+        s[1] += float(r["predicted_ms"])
+    saved = json.loads(out.read_text())
+    assert saved["scale"]["prefill"] == pytest.approx(sums[True][0] / sums[True][1], rel=1e-9)
+    assert saved["scale"]["decode"] == pytest.approx(sums[False][0] / sums[False][1], rel=1e-9)
+    assert saved["scale"]["launches"] == len(rows) and saved["scale"]["policy"] == "chunked"
+    before, after = FittedModel.load(model, tiny), FittedModel.load(out, tiny)
+    dec = Work(2, 4, 4, 400.0, 400, 4, True, 100)
+    assert after.predict(dec, 132) == pytest.approx(saved["scale"]["decode"] * before.predict(dec, 132))
+    res = runner.invoke(app, [*args, "--latency", "roofline", "--save-scaled", str(tmp_path / "no.json")])
+    assert res.exit_code == 2 and "--save-scaled scales a fitted latency model" in res.output
+    assert not (tmp_path / "no.json").exists()
+    res = runner.invoke(app, [*args, "--latency", str(model), "--save-scaled", str(tmp_path)])
+    assert res.exit_code == 2 and "is a folder" in res.output

@@ -381,6 +381,22 @@ def host_gap_of(entry: dict | None) -> tuple[float, float] | None:
     return a, b
 
 
+def scale_of(scale: dict | None) -> tuple[float, float]:
+    """A model file's optional ``scale`` object, ``{"prefill": a, "decode": b, ...}`` (``bullet validate
+    --save-scaled`` writes it: the launch speed of the card it ran on), as ``(a, b)``; (1, 1) without one."""
+    if scale is None:
+        return 1.0, 1.0
+    if not isinstance(scale, dict):
+        raise TypeError("scale: not an object")
+    out = []
+    for key in ("prefill", "decode"):
+        v = scale.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (0 < v < math.inf):
+            raise ValueError(f"scale.{key}: must be a positive number, got {v!r}")
+        out.append(float(v))
+    return out[0], out[1]
+
+
 class FittedModel:
     """The fitted latency model: ``FittedModel.load(path, model=spec, gpu=gpu)``, or from the dict that
     ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
@@ -404,6 +420,11 @@ class FittedModel:
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
             self.graphs = GraphLimits.of(data.get("prefill_graphs"))
             self.host_gap = host_gap_of(data.get("host_gap"))
+            self.scale = scale_of(data.get("scale"))
+            for names, k in (("eager",), self.scale[0]), (("decode_first", "decode_step"), self.scale[1]):
+                for name in names:  # a card's speed: the GPU-time families times its factor (host time as is)
+                    if k != 1.0:
+                        self.f[name] = Linear(self.f[name].terms, [c * k for c in self.f[name].coef], N)
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
@@ -451,7 +472,17 @@ class FittedModel:
 
     @property
     def name(self) -> str:
-        return f"fitted {self.spec.name}@{self.gpu_name}"
+        card = "" if self.scale == (1.0, 1.0) else f" x{self.scale[0]:.3f}/{self.scale[1]:.3f}"
+        return f"fitted {self.spec.name}@{self.gpu_name}{card}"
+
+    def scaled(self, prefill: float, decode: float, **note) -> FittedModel:
+        """This model with its GPU time multiplied by ``prefill`` for launches with prompt rows and by
+        ``decode`` for decode-only launches (on top of any scale it has): a model of a card that runs the
+        launches that much slower (> 1) or faster. ``note`` goes into the file's ``scale`` object (where and
+        how the factors were measured)."""
+        a, b = self.scale
+        data = {**self.data, "scale": {**note, "prefill": a * prefill, "decode": b * decode}}
+        return FittedModel(data, self.host, self.source)
 
     # ---------------------------------------------------------------- the LatencyModel protocol
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms=0):
