@@ -6,6 +6,10 @@ simulated, and writes each run's SM split timeline (lane, SMs, start, end per la
     python3 bench/policy_real.py --latency profiles/h200/llama-3.1-8b/model.json \\
         --runs sharegpt:6,9,12 arxiv:8,12 --policies bullet chunked-2048 --num-requests 120 --out $OUT/real
     python3 bench/policy_real.py --device cpu --model tiny-llama --runs sharegpt:20 --num-requests 12   # smoke
+    python3 bench/policy_real.py --sim-only --latency fitted --runs arxiv:10,12,13 --policies bullet chunked-8192
+
+``--sim-only`` runs the simulated half alone, on any machine (no torch, no GPU): the same requests, policies and
+latency model, with ``--num-blocks`` KV blocks (the H200 run's pool: 46,390 with dummy weights at 0.85 of memory).
 
 Dummy weights (seeded random); every request generates exactly its trace output length; prompt ids are
 synthetic per request. Paper SLOs per trace (TTFT per prompt token, TPOT) unless ``--slo tight``.
@@ -45,6 +49,31 @@ def policy_cfg(name: str, layers: int, decode_sizes: tuple[int, ...] | None) -> 
     return SchedulerConfig(policy=name)
 
 
+def slo_for(trace: str, which: str) -> SloConfig:
+    if which == "paper":
+        per_token, tpot = PAPER[trace]
+        return SloConfig(ttft=None, ttft_per_token=per_token, tpot=tpot)
+    return SloConfig(ttft=0.5, tpot=0.05)
+
+
+def sim_only(args, spec, gpu, latency, sizes) -> None:
+    """The simulated half of every row: what ``main`` runs beside each real run, with ``args.num_blocks`` KV blocks."""
+    print("| trace | rate | policy | attainment | goodput | makespan s | TTFT p50 ms | TTFT p90 | TPOT p50 | TPOT p90 |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    cache = CacheConfig(num_blocks=args.num_blocks, prefix_caching=False)
+    for spec_run in args.runs:
+        trace, rates = spec_run.split(":")
+        slo = slo_for(trace, args.slo)
+        for rate in (float(x) for x in rates.split(",")):
+            for name in args.policies:
+                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                s = simulate(reqs, spec, gpu, policy_cfg(name, args.layers_per_step, sizes), cache, slo, latency,
+                             timeline=False).summary
+                print(f"| {trace} | {rate:g} | {name} | {100 * s['slo_attainment']:.1f} % | {s['goodput']:.2f} | "
+                      f"{s['duration_s']:.2f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
+                      f"{s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p90']:.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -61,15 +90,21 @@ def main() -> None:
     ap.add_argument("--no-prefill-graphs", action="store_true",
                     help="run prefill/mixed launches eagerly (no prefill graphs captured)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sim-only", action="store_true", help="only the simulated half (no GPU, no torch)")
+    ap.add_argument("--num-blocks", type=int, default=46390, help="--sim-only: KV blocks (the H200 run's pool)")
     args = ap.parse_args()
+
+    spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    latency = latency_model(args.latency, spec, gpu)
+    sizes = tuple(int(x) for x in args.decode_sizes.split(",")) if args.decode_sizes else None
+    if args.sim_only:
+        sim_only(args, spec, gpu, latency, sizes)
+        return
 
     import torch
 
     from bullet.gpu.executor import GpuExecutor, prepare_graphs
 
-    spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
-    latency = latency_model(args.latency, spec, gpu)
-    sizes = tuple(int(x) for x in args.decode_sizes.split(",")) if args.decode_sizes else None
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
     ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.85)
@@ -85,11 +120,7 @@ def main() -> None:
     rows, timelines = [], []
     for spec_run in args.runs:
         trace, rates = spec_run.split(":")
-        if args.slo == "paper":
-            per_token, tpot = PAPER[trace]
-            slo = SloConfig(ttft=None, ttft_per_token=per_token, tpot=tpot)
-        else:
-            slo = SloConfig(ttft=0.5, tpot=0.05)
+        slo = slo_for(trace, args.slo)
         for rate in (float(x) for x in rates.split(",")):
             for name in args.policies:
                 cfg = policy_cfg(name, args.layers_per_step, sizes)
