@@ -38,6 +38,14 @@ def test_error_by_hand():
     assert sum(r["gated"] for r in rows.values()) == len(GATED) == 4
 
 
+def staggered():
+    """Nine requests with token ids, arriving 4 ms apart."""
+    out = make_requests(9, seed=4, with_ids=True)
+    for i, r in enumerate(out):
+        r.arrival = 0.004 * i
+    return out
+
+
 @pytest.mark.parametrize("policy", ["chunked", "bullet"])
 def test_simulator_timed_executor_has_zero_error(policy):
     gpu = GPUS["h200"]
@@ -45,14 +53,8 @@ def test_simulator_timed_executor_has_zero_error(policy):
     real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED)
     ex = SimTimed(real, SimExecutor(lat, SPEC.num_layers, gpu))
 
-    def reqs():
-        out = make_requests(9, seed=4, with_ids=True)
-        for i, r in enumerate(out):
-            r.arrival = 0.004 * i
-        return out
-
     cfg = SchedulerConfig(policy=policy, max_batched_tokens=48, layers_per_step=1 if policy == "bullet" else None)
-    rep = validate(reqs, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
+    rep = validate(staggered, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
     real.close()
     assert rep.real["requests"] == rep.sim["requests"] == 9
     assert all(abs(r["error"]) < 1e-9 for r in rep.rows), [r for r in rep.rows if abs(r["error"]) >= 1e-9]
@@ -72,14 +74,8 @@ def test_a_uniformly_slower_card_is_its_launch_speed():
     real = GpuExecutor(SPEC, "dummy", "cpu", block_size=4, num_blocks=64, seed=SEED)
     ex = SimTimed(real, SimExecutor(card, SPEC.num_layers, gpu))
 
-    def reqs():
-        out = make_requests(9, seed=4, with_ids=True)
-        for i, r in enumerate(out):
-            r.arrival = 0.004 * i
-        return out
-
     cfg = SchedulerConfig(policy="chunked", max_batched_tokens=48)
-    rep = validate(reqs, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
+    rep = validate(staggered, ex, SPEC, gpu, cfg, SloConfig(ttft=None, ttft_per_token=0.02, tpot=0.05), lat, 64, 4)
     real.close()
     assert rep.speed == pytest.approx((1.3, 1.3))
     assert rep.worst() > 0.15  # every latency ~1/1.3 of the real one
