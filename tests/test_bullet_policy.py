@@ -180,6 +180,23 @@ def test_no_starvation(seed):
     assert late > 10  # the load really is an overload: many miss, none starves
 
 
+@pytest.mark.parametrize("rate", [40.0, 50.0])
+def test_no_job_is_set_aside_for_a_request_past_its_key(rate):
+    """An overload with a fixed 200 ms TTFT target: a long prompt's job could be set aside between slices
+    (``_urgent``) for every new head that would meet its own deadline, so a request of that job, already late,
+    waited while newer ones went first: request 181 at 50 req/s (68 at 40) got its first token after one that
+    arrived past its key (arrival + (1 + LATE_GRACE) x target). Nobody arriving after key(r) is served first."""
+    slo = SloConfig(ttft=0.2, tpot=1.0)
+    reqs = overload(0, n=1000, rate=rate)
+    done, _, _ = run(reqs, slo, max_batched_tokens=2048)
+    first = {r.id: r.first_token_time for r in done}
+    arrivals = sorted((r.arrival, r.id) for r in reqs)
+    for r in reqs:
+        key = r.arrival + (1 + LATE_GRACE) * 0.2
+        later = arrivals[bisect.bisect_right(arrivals, (key, len(reqs))):]
+        assert all(first[i] >= first[r.id] for _, i in later), r.id
+
+
 def test_no_starvation_with_requests_shed_on_arrival():
     """Over 10 s of a heavier overload (100 req/s: 2.9 s of whole-GPU work a second by LinearLatency,
     over SHED_CAPACITY), the costliest arrivals are shed (deferred on arrival) and they too are ordered by

@@ -376,6 +376,8 @@ class Bullet(LayerSliced):
         if deadline == math.inf or head.id in self.rank:  # no target, or a preempted request coming back
             return False
         _, reqs, first = self.job
+        if any(head.arrival > self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in reqs):
+            return False  # the head came after a job request's late key: it may not go first (no starvation)
         L, p = self.model.num_layers, (self.N - d_cur if d_cur < self.N else self.N)
         rest = float(self.latency.predict(self._job_work(range(first, L)), p))
         k = head.known  # what the head computes: its prompt less a prefix the cache holds (at least one token)
