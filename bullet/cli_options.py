@@ -86,9 +86,10 @@ DEFAULT_SLO_MARGIN = 0.1
 AdmissionControlOpt = Annotated[bool, typer.Option(
     help="bullet: reject at once a request predicted to miss its TTFT.", rich_help_panel=POLICY)]
 OverloadDeferralOpt = Annotated[bool, typer.Option(
-    help="bullet: when the last 10 s of arrivals ask for more work than the GPU does, defer the costliest "
-         "arrivals (ordered as requests predicted late: their TTFT is given up, their wait stays bounded). Raises "
-         "capacity under a sustained overload; costs attainment on short bursts.",
+    help="bullet: when the last 10 s of arrivals ask for more work than the GPU does (up to 1.8x), defer the "
+         "costliest arrivals (ordered as requests predicted late: their TTFT is given up, their wait stays "
+         "bounded) until arrivals lull. Raises capacity under a sustained overload; can cost attainment near "
+         "the GPU's capacity.",
     rich_help_panel=POLICY)]
 DecodeSizesOpt = Annotated[str | None, typer.Option(
     help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",

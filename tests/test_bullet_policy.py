@@ -198,14 +198,14 @@ def test_no_job_is_set_aside_for_a_request_past_its_key(rate):
 
 
 def test_no_starvation_with_requests_shed_on_arrival():
-    """Over 10 s of a heavier overload (100 req/s: 2.9 s of whole-GPU work a second by LinearLatency,
-    over SHED_CAPACITY), the costliest arrivals are shed (deferred on arrival) and they too are ordered by
-    key(r) = arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
+    """Over 17 s of an overload (60 req/s: 1.74 s of whole-GPU work a second by LinearLatency, over
+    SHED_CAPACITY and under SHED_DEEP), the costliest arrivals are shed (deferred on arrival) and they too are
+    ordered by key(r) = arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
     slo = SloConfig(ttft=0.2, tpot=1.0)
-    reqs = overload(0, n=1000, rate=100.0)
+    reqs = overload(0, n=1000, rate=60.0)
     done, _, sched = run(reqs, slo, max_batched_tokens=2048, overload_deferral=True)
     assert sched.num_shed > 10
-    _, _, default = run(overload(0, n=1000, rate=100.0), slo, max_batched_tokens=2048)
+    _, _, default = run(overload(0, n=1000, rate=60.0), slo, max_batched_tokens=2048)
     assert default.num_shed == 0  # off unless asked for (--overload-deferral)
     first = {r.id: r.first_token_time for r in done}
     arrivals = sorted((r.arrival, r.id) for r in reqs)
@@ -611,25 +611,63 @@ def test_whole_work_by_hand():
 
 
 def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
-    """SHED_WINDOW 10 s, SHED_CAPACITY 1.15. Six 20000-token prompts with 1000 output tokens (2.2718 s of
-    whole-GPU work each: 204 ms of prompt, 1000 x 529.36 / 256 ms of decode) arrive at 0..5 s: none is
-    deferred (before 5 s the window spans less than half of 10 s; at 5 s nothing is cheaper than the sixth).
-    At 5 s a prompt of the same length with 1001 tokens (2.2739 s) finds 6 x 2.2718 = 13.6 s of cheaper work
-    against 1.15 x 5 = 5.75 s: deferred, a late request keyed at its deadline + LATE_GRACE targets (6 + 20 =
-    26 s), after every on-time request's deadline here, so it is ordered last. A 100-token prompt
-    at 5 s (3.07 ms) has nothing cheaper: kept. At 15.5 s the window holds only the newcomer: kept."""
-    from bullet.policies.bullet import SHED_CAPACITY, SHED_WINDOW
+    """SHED_WINDOW 10 s, SHED_CAPACITY 1.15, SHED_DEEP 1.8. Four 20000-token prompts with 1000 output tokens
+    (2.2718 s of whole-GPU work each: 204 ms of prompt, 1000 x 529.36 / 256 ms of decode) arrive at 0, 2.5, 5
+    and 7.5 s: none is deferred (before 5 s the window spans less than half of 10 s; later nothing is cheaper
+    than the newcomer). At 7.5 s a prompt of the same length with 1001 tokens (2.2739 s) makes the window
+    carry 4 x 2.2718 + 2.2739 = 11.3611 s over 7.5 s (1.51 a second: an overload, not a deep one, 11.3611 <=
+    1.8 x 7.5 = 13.5), an excess of 11.3611 - 1.15 x 7.5 = 2.7361 s that holds its own 2.2739 s: deferred, a
+    late request keyed at its deadline + LATE_GRACE targets (8.5 + 20 = 28.5 s), after every on-time request's
+    deadline here, so it is ordered last. A 100-token prompt at 7.5 s (3.07 ms) has nothing cheaper: kept. At
+    17.6 s the window holds only the newcomer: kept."""
+    from bullet.policies.bullet import SHED_CAPACITY, SHED_DEEP, SHED_WINDOW
 
-    assert (SHED_WINDOW, SHED_CAPACITY) == (10.0, 1.15)
+    assert (SHED_WINDOW, SHED_CAPACITY, SHED_DEEP) == (10.0, 1.15, 1.8)
+    sched, _ = make(SloConfig(ttft=1.0, tpot=None), overload_deferral=True)
+    for i in range(4):
+        sched.add(Request(i, 2.5 * i, 20000, 1000))
+    assert sched._whole_work(Request(9, 0.0, 20000, 1000)) == pytest.approx(0.204 + 1000 * 0.52936 / 256)
+    assert sched._shed == set()
+    sched.add(Request(6, 7.5, 20000, 1001))
+    sched.add(Request(7, 7.5, 100, 2))
+    assert sched._shed == {6} and sched.num_shed == 1
+    sched._order(7.5)
+    assert sched.waiting[-1].id == 6 and 6 in sched._late
+    sched.add(Request(8, 17.6, 20000, 1001))
+    assert sched._shed == {6}
+
+
+def test_a_deep_burst_defers_nobody():
+    """The same arrivals closer together: six 2.2718 s requests at 0..5 s, then the 2.2739 s one at 5 s. The
+    window carries 6 x 2.2718 + 2.2739 = 15.9047 s over 5 s, 3.18 a second: more than SHED_DEEP (1.8 x 5 =
+    9 s), a burst that deferring the costliest few cannot bring under SHED_CAPACITY (deferred, they would wait
+    out the burst behind the queue). Nobody is deferred, though the excess (15.9047 - 5.75 s) holds it."""
     sched, _ = make(SloConfig(ttft=1.0, tpot=None), overload_deferral=True)
     for i in range(6):
         sched.add(Request(i, float(i), 20000, 1000))
-    assert sched._whole_work(Request(9, 0.0, 20000, 1000)) == pytest.approx(0.204 + 1000 * 0.52936 / 256)
-    assert sched._shed == set()
     sched.add(Request(6, 5.0, 20000, 1001))
-    sched.add(Request(7, 5.0, 100, 2))
-    assert sched._shed == {6} and sched.num_shed == 1
-    sched._order(5.0)
-    assert sched.waiting[-1].id == 6 and 6 in sched._late
-    sched.add(Request(8, 15.5, 20000, 1001))
-    assert sched._shed == {6}
+    assert sched._shed == set() and sched.num_shed == 0
+
+
+def test_deferred_requests_rejoin_the_queue_after_a_lull():
+    """The overload of the first test above, TTFT target 10 s (deadlines: arrival + 10). LinearLatency
+    prefills a 20000-token prompt in 0.2 s on the whole GPU (2 ms + 10 us a token; no decode runs). Ordered
+    at 9 s, the last SHED_LULL (5 s) of arrivals, at 7.5 s (two: 2.2718 + 2.2739 s), carry more than
+    SHED_LULL_LOAD (0.5) x 5 = 2.5 s: request 4 stays deferred, keyed at 17.5 + 20 x 10 = 217.5 s, last; the
+    others end at 9.2-9.8 s, within their deadlines 10-17.5 s. Ordered at 13 s, nothing arrived after 8 s:
+    the overload is over and request 4 rejoins. Requests 0 and 1 (deadlines 10 and 12.5 s) are late at 13.2
+    / 13.4 s, keyed at 210 and 212.5 s; 2, 3 and 4 end at 13.2, 13.4 and 13.6 s, within 15, 17.5 and 17.5 s,
+    in deadline order (ties by id; shortest first is the same order: equal prompts)."""
+    from bullet.policies.bullet import SHED_LULL, SHED_LULL_LOAD
+
+    assert (SHED_LULL, SHED_LULL_LOAD) == (5.0, 0.5)
+    sched, _ = make(SloConfig(ttft=10.0, tpot=None), overload_deferral=True)
+    for i in range(4):
+        sched.add(Request(i, 2.5 * i, 20000, 1000))
+    sched.add(Request(4, 7.5, 20000, 1001))
+    assert sched._shed == {4}
+    sched._order(9.0)
+    assert [r.id for r in sched.waiting] == [0, 1, 2, 3, 4] and sched._shed == {4}
+    sched._order(13.0)
+    assert sched._shed == set()
+    assert [r.id for r in sched.waiting] == [2, 3, 4, 0, 1]

@@ -46,13 +46,16 @@ re-split at every launch of either lane:
   predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
   before it) or when the queue is next ordered (``Request.error``; counted against attainment). Priority for
   KV is admission order (``base.py``), so the no-livelock guarantee holds under this order too.
-* **Overload sheds the costliest arrivals** (``_shed_on_arrival``, opt-in: ``overload_deferral``; it raised the
-  study's sharegpt capacity 1.25x -> 1.31x and cost up to 9 points of attainment on short bursts, bench/RESULTS.md):
-  a request is deferred on arrival -- put in
+* **Overload sheds the costliest arrivals** (``_shed_on_arrival``, opt-in: ``overload_deferral``; sharegpt
+  paper capacity 1.25x -> 1.33x the best baseline, bench/RESULTS.md): a request is deferred on arrival -- put in
   the late set, keyed like every late request (deadline + ``LATE_GRACE`` targets, so the starvation bound
   holds) -- when the last ``SHED_WINDOW`` of arrivals cheaper than it in whole-GPU work already carry more
-  than ``SHED_CAPACITY`` times their span. The queue's snapshot does not see the decode work that holds the
-  seats; the fewest miss when the costliest wait.
+  than ``SHED_CAPACITY`` times their span, but not more than ``SHED_DEEP`` times it (a deeper overload is a
+  burst that deferring a few cannot carry: deferred, they would wait it out behind the queue while the GPU,
+  once it ends, would have served most of them). Deferred requests rejoin the queue when the arrivals of the
+  last ``SHED_LULL`` seconds carry at most ``SHED_LULL_LOAD`` of work a second (``_lull``): the overload is
+  over. The queue's snapshot does not see the decode work that holds the seats; the fewest miss when the
+  costliest wait. It still costs attainment at some rates, so it stays off by default (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ IDLE_KNEE = 0.5  # ... and, with nobody waiting behind the prefill job, within t
 WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
 SHED_WINDOW = 10.0  # seconds of recent arrivals whose whole-GPU work _shed_on_arrival weighs against their span
 SHED_CAPACITY = 1.15  # ... and the whole-GPU seconds of work one second is taken to carry (lanes co-running)
+SHED_DEEP = 1.8  # ... no deferral when they carry more than this a second: a burst deferring cannot carry
+SHED_LULL = 5.0  # deferred requests rejoin the queue when the arrivals of this many seconds ...
+SHED_LULL_LOAD = 0.5  # ... carry at most this many whole-GPU seconds of work a second (the overload ended)
 ARRAYS_FROM = 64  # running requests from which the view reads DecodeArrays (a Python pass is faster below)
 ARRAYS_UNTIL = 16  # ... and at or under which the arrays are dropped (kept up to date only while worth it)
 
@@ -280,7 +286,10 @@ class Bullet(LayerSliced):
         of the sharegpt trace, and no wait would be bounded). Moore-Hodgson over the queue alone (``_order``) sees an overload
         only once it has built up, and then drops the longest prompts queued, not the costliest arrivals.
         A snapshot of the queue does not see the decode work that holds the seats (sharegpt paper, 11.75
-        req/s: output tokens drain at 61 ms a token on 256 seats, 9.7 requests a second)."""
+        req/s: output tokens drain at 61 ms a token on 256 seats, 9.7 requests a second). No deferral when
+        the window carries more than SHED_DEEP times its span: the costliest tenth of sharegpt's requests
+        carry about a quarter of its work, so deferring a few cannot bring such a load under SHED_CAPACITY,
+        and on a burst of that depth (400 requests at 16-20 req/s) deferral cost 2-9 points of attainment."""
         c = self._whole_work(req)
         recent = self._recent
         recent.append((req.arrival, c))
@@ -291,9 +300,20 @@ class Bullet(LayerSliced):
             return False
         total = sum(w for _, w in recent)
         excess = total - SHED_CAPACITY * span
-        if excess <= 0:
+        if excess <= 0 or total > SHED_DEEP * span:
             return False
         return sum(w for _, w in recent if w >= c) <= excess
+
+    def _lull(self, now: float) -> bool:
+        """Whether the arrivals of the last SHED_LULL seconds carry at most SHED_LULL_LOAD whole-GPU seconds of
+        work a second: the overload that deferred requests is over, and they rejoin the queue as it is ordered
+        (Moore-Hodgson then keeps those that still meet their deadline)."""
+        work, since = 0.0, now - SHED_LULL
+        for arrival, w in reversed(self._recent):
+            if arrival <= since:
+                break
+            work += w
+        return work <= SHED_LULL_LOAD * SHED_LULL
 
     def _token_target(self) -> int:
         """Prefill tokens per batch: the smallest of 512..max_batched_tokens whose predicted per-token time on
@@ -659,6 +679,8 @@ class Bullet(LayerSliced):
         # longest prompt kept so far (the latest due among equals: perhaps itself) to the late set. On one
         # machine that leaves the fewest requests late.
         free, releases = self._seat_releases(now, k, len(waiting) - k)
+        if self._shed and self._lull(now):
+            self._shed.clear()
         kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
         late = []
         shed = self._shed
