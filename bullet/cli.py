@@ -439,7 +439,7 @@ def simulate(
             result = run_simulation(requests, model_spec, gpu_spec, sched, cache, slo_cfg, latency=latency_backend,
                                     on_finish=advance, max_concurrency=max_concurrency, percentiles=percentiles,
                                     live_window=None if fuse_window_ms is None else fuse_window_ms / 1e3,
-                                    host_gap=gap)
+                                    host_gap=gap, timeline=out is not None)  # (rows only for --out)
         except (ConfigError, RuntimeError, ValueError) as e:
             raise fail(str(e)) from None
     summary = result.summary

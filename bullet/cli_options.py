@@ -289,7 +289,7 @@ def load_requests(trace: str, fmt: str | None, num_requests: int | None, rate: f
                    "them")
     load_rate = rate if rate != math.inf else (None if table.arrivals is not None else 1.0)
     requests = load_trace(trace, fmt, num_requests=num_requests, rate=load_rate, arrival_process=arrival, cv=cv,
-                          seed=seed, hash_block_size=hash_block_size)
+                          seed=seed, hash_block_size=hash_block_size, table=table)
     if rate == math.inf:
         for r in requests:
             r.arrival = 0.0

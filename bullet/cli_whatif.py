@@ -8,18 +8,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import whatif as lib
 from .cli_trace import fail
 from .config import ConfigError
 from .traces import TraceError
-from .whatif import AXES, Row, Sweep
+
+if TYPE_CHECKING:
+    from .whatif import Row, Sweep
 
 SWEEP, SEARCH, RUN = "Sweep (lists or START:STOP:STEP ranges)", "Capacity search", "Running and output"
 # Lets the command see unknown options itself (one red line instead of click's usage box).
@@ -99,6 +100,9 @@ def whatif(
     """Sweep policies, knobs, SLOs, models, GPUs and traces; for each configuration find its capacity (the
     highest request rate meeting the SLO attainment target) by a search over a fixed grid of rates (the trace
     rescaled to each), in parallel. Prints a table; --out writes CSV/Parquet and plots."""
+    from . import whatif as lib  # (here, not at the top: 33 ms of imports every other command would pay)
+    from .whatif import AXES
+
     if ctx.args:
         raise fail(f"unknown option {ctx.args[0]!r}; settings a sweep can vary: "
                    + ", ".join(lib.flag_of(n) for n in AXES))
@@ -170,6 +174,8 @@ def whatif(
 
 def load_sweep(config: Path | None, given: dict[str, Any]) -> Sweep:
     """Settings from the file (if any) with the flags given on top -> a validated Sweep."""
+    from . import whatif as lib
+
     if config is None:
         return lib.parse_sweep(given)
     raw, where_in_file = lib.read_sweep_file(config)
@@ -192,6 +198,8 @@ def _parquet_wanted(asked: bool | None) -> bool:
 
 
 def print_results(sweep: Sweep, rows: list[Row], console: Console) -> None:
+    from .whatif import AXES
+
     varying = sweep.varying()
     configs = sweep.configs()
     fixed = [f"{name}={_show(getattr(configs[0], name))}" for name in AXES

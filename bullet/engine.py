@@ -28,7 +28,7 @@ ABORTED = "aborted"
 _AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Update:
     """What one step changed for one request. ``token_ids``/``token_times``: tokens sampled since the last
     update (a streaming engine only; the simulator has no ids, so there only the times). ``reason`` once
@@ -40,6 +40,20 @@ class Update:
     token_times: tuple[float, ...] = ()
     finished: bool = False
     reason: str | None = None
+
+    def __init__(self, request: Request, token_ids: tuple[int, ...] = (), token_times: tuple[float, ...] = (),
+                 finished: bool = False, reason: str | None = None) -> None:
+        # one per request a trace replay ends: the fields set through their slots (the generated __init__ of a
+        # frozen dataclass goes through object.__setattr__ per field, ~3x the cost)
+        _SET_REQUEST(self, request)
+        _SET_TOKEN_IDS(self, token_ids)
+        _SET_TOKEN_TIMES(self, token_times)
+        _SET_FINISHED(self, finished)
+        _SET_REASON(self, reason)
+
+
+_SET_REQUEST, _SET_TOKEN_IDS, _SET_TOKEN_TIMES, _SET_FINISHED, _SET_REASON = (
+    getattr(Update, f).__set__ for f in ("request", "token_ids", "token_times", "finished", "reason"))
 
 
 class Engine:

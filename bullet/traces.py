@@ -580,7 +580,7 @@ def _requests(times: np.ndarray, prompts: np.ndarray, outputs: np.ndarray,
 def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, num_requests: int | None = None,
                rate: float | None = None, arrival_process: ArrivalProcess = "poisson", cv: float = 1.0,
                seed: int = 0, time_scale: float | None = None, start: int = 0,
-               hash_block_size: int = 512) -> list[Request]:
+               hash_block_size: int = 512, table: TraceTable | None = None) -> list[Request]:
     """Load a trace file (or a built-in trace name, see :func:`resolve_trace`) as requests with ids
     ``0..n-1`` in arrival order, the first arriving at 0 s.
 
@@ -592,7 +592,8 @@ def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, nu
     timed trace instead (2.0 = half the rate); it cannot be combined with ``rate``.
 
     Rows with prompt hashes give requests with ``hash_ids`` and ``hash_block = hash_block_size`` (tokens per
-    id: 512 for Mooncake's traces; a row whose id count does not fit its prompt at that size is an error)."""
+    id: 512 for Mooncake's traces; a row whose id count does not fit its prompt at that size is an error).
+    ``table``: what :func:`read_table` gave for this ``path``, ``format`` and ``hash_block_size`` (not read again)."""
     if rate is not None and time_scale is not None:
         raise TraceError("give either rate or time_scale, not both")
     if time_scale is not None:
@@ -602,7 +603,8 @@ def load_trace(path: str | os.PathLike, format: TraceFormat | None = None, *, nu
     if num_requests is not None and (isinstance(num_requests, bool) or not isinstance(num_requests, int)
                                      or num_requests < 1):
         raise TraceError(f"num_requests must be a positive integer, got {num_requests!r}")
-    table = read_table(path, format, hash_block_size=hash_block_size)
+    if table is None:
+        table = read_table(path, format, hash_block_size=hash_block_size)
     if table.arrivals is None and rate is None:
         raise TraceError("a length-only trace has no arrival times: give a rate (requests/s) to "
                          "synthesise them", table.path)

@@ -20,7 +20,7 @@ import numpy as np
 from bullet.batch import Batch, Lane, StepResult, check_launch
 from bullet.config import GpuSpec
 from bullet.perfmodel import LatencyModel, Work
-from bullet.perfmodel.base import batch_work, step_ends
+from bullet.perfmodel.base import CachedLatency, batch_work, step_ends
 
 
 @dataclass(slots=True, eq=False)
@@ -54,11 +54,17 @@ class SimExecutor:
         self.sizes = {"prefill": frozenset(gpu.prefill_sizes), "decode": frozenset(gpu.decode_sizes),
                       "all": frozenset((gpu.num_sms,))}
         self.latency = latency
+        if isinstance(latency, CachedLatency):  # (what base.step_ends / batch_work call: asked directly)
+            self._step_ends, self._work_of = latency.step_ends, latency.work_of
+        else:
+            self._step_ends = lambda *a: step_ends(latency, *a)
+            self._work_of = lambda b, n: batch_work(latency, b, n)
         self.num_layers = num_layers
         self._flights: dict[Lane, _Flight] = {}
         self._done: list[StepResult] = []
         self._tokens = 0
         self._pending: float | None = None  # a launch ended then: the other lane's re-time, not yet done
+        self._legal: set[tuple] = set()  # (lane, SMs, (SMs, lane) of each launch in flight) found legal
 
     def now(self) -> float:
         return self._now
@@ -74,9 +80,12 @@ class SimExecutor:
         lane, flights = part.lane, self._flights
         if lane in flights:
             raise RuntimeError(f"lane {lane!r} already has a batch in flight")
-        check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
+        key = (lane, part.num_sms, *[(f.sms, f.batch.partition.lane) for f in flights.values()])
+        if key not in self._legal:  # the rule depends on the lanes and sizes alone: checked once per combination
+            check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
+            self._legal.add(key)
         now = self._now
-        work = batch_work(self.latency, batch, self.num_layers)
+        work = self._work_of(batch, self.num_layers)
         a, b = self.host_gap
         begin = now + (a + b * len(batch.chunks)) if a or b else now
         f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, begin, mark=begin)
@@ -102,7 +111,7 @@ class SimExecutor:
     def _time(self, lane: Lane, f: _Flight, now: float, co: Work | None, co_sms: int) -> None:
         """(Re)compute ``f``'s end next to ``co`` (on ``co_sms`` SMs; None: alone) from ``now`` on."""
         if f.steps > 1:
-            cum = step_ends(self.latency, f.work, f.steps, f.sms, co, co_sms)
+            cum = self._step_ends(f.work, f.steps, f.sms, co, co_sms)
             duration = cum.item(-1)
             if f.cum is None:
                 f.cum = cum

@@ -435,7 +435,13 @@ class FittedModel:
         self._sm_bw_table: list[float] | None = None
         self._own = any(c for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef)
                         if q == "own_bw_co_bw")  # (older models: no such term, no division to make)
+        # families whose fitted terms read only the SM counts, not the co-runner's HBM demand (the shipped H200
+        # fit's co_decode: its co_bw terms fitted to 0): their slowdown is memoised by SM counts alone, and the
+        # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
+        self._sm_only = {name for name in ("co_decode", "co_eager")
+                         if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw"}}
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
+        self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
         self._share: dict[tuple, tuple[int, int]] = {}  # shared_sms by (SMs, co-runner's SMs, their tokens)
 
@@ -494,7 +500,8 @@ class FittedModel:
             n, arr = num_sms, False
         else:
             n, arr = check_sms(num_sms, self.num_sms)
-        if co is not None and not arr and co_sms:
+        if co is not None and not arr and co_sms and (type(co_sms) is not int or co_sms < 0
+                                                      or n + co_sms > self.num_sms):  # (disjoint: kept as given)
             n, co_sms = self._shared_sms(n, int(co_sms), work, co)
         if work.tokens == work.seqs:  # a decode launch: graph replays, GPU time
             if arr:
@@ -553,14 +560,20 @@ class FittedModel:
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
-        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f = setup
+        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f, n = setup
+        raw = self._raw
+        if raw is not None and raw[1] == n and len(raw[2]) >= steps and raw[0] == work:
+            # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
+            # co-runner scales every step by one factor, so the unscaled steps are those computed then
+            times = raw[2][:steps] if f is None else [x * f for x in raw[2][:steps]]
+            return times, np.fromiter(accumulate(times), np.float64, steps)
         kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
         mk = float(max_kv or (kv0 / max(1, seqs)))
         # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
         t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
             L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
-        times = [t if f is None else t * f]
+        times = [t]
         # the later steps: the longest program's blocks, ceil(ceil((mk + i) / splits) / block_n), are a
         # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
         # found by bisection on that very expression and its term is one number across the run
@@ -577,11 +590,13 @@ class FittedModel:
                     else:
                         j = mid
             b = L * float(m * per_block) * 1e-3 * w_longest
-            if f is None:
-                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
-            else:
-                times += [(c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b) * f for k in range(i, j)]
+            times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
             i = j
+        self._raw = (work, n, times)  # unscaled: (each step) * f is the step next to the co-runner
+        if f is not None:
+            times = [x * f for x in times]
+        else:
+            times = times[:]
         return times, np.fromiter(accumulate(times), np.float64, steps)
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
@@ -597,7 +612,7 @@ class FittedModel:
         if len(self._dsetup) >= 65536:
             self._dsetup.clear()
         out = self._dsetup[key] = (*self._decode_parts("decode_first", work, n),
-                                   *self._decode_parts("decode_step", work, n), f)
+                                   *self._decode_parts("decode_step", work, n), f, n)
         return out
 
     # ---------------------------------------------------------------- parts
@@ -626,8 +641,11 @@ class FittedModel:
 
     def _decode_step(self, family: str, work: Work, n: int) -> float:
         const, w_kv, w_longest, splits = self._decode_parts(family, work, n)
-        kv, longest = self.q.decode_var(work, splits=splits)
-        return const + kv * w_kv + longest * w_longest
+        # decode_var(work, splits=splits)'s operations, inline (policies ask this for every candidate SM count)
+        q, L = self.q, float(work.num_layers)
+        per_block, mk = q.per_block, float(work.max_kv or (work.kv_read / max(1, work.seqs)))
+        return const + L * float(work.kv_read) * q.kv_bytes * 1e-9 * w_kv + \
+            L * float(math.ceil(math.ceil(mk / splits) / per_block) * per_block) * 1e-3 * w_longest
 
     def padded(self, work: Work) -> Work:
         """The Work a launch really computes (see :meth:`GraphLimits.padded`)."""
@@ -650,6 +668,9 @@ class FittedModel:
     def gpu_time(self, work: Work, n: int) -> float:
         """Stand-alone GPU seconds (no host time, no co-runner)."""
         if work.tokens == work.seqs:
+            raw = self._raw  # the stretch decode_step_ends last timed: its first step is this, unscaled
+            if raw is not None and raw[1] == n and raw[0] == work:
+                return raw[2][0]
             return self._decode_step("decode_first", work, n)
         return self._eager_alone(work, n)
 
@@ -713,6 +734,16 @@ class FittedModel:
         if arr:
             return self.f[family].array(self.co_features(n, co, co_sms, arr, own),
                                         np.zeros(np.shape(n), dtype=np.intp))
+        if family in self._sm_only:
+            key = (family, n, co_sms, type(co_sms))  # the type too: an int and a numpy int give other types
+            s = self._slow.get(key)
+            if s is None:  # the features this family reads, as co_features computes them
+                if len(self._slow) >= 65536:
+                    self._slow.clear()
+                N = self.num_sms
+                s = self._slow[key] = self.f[family].scalar(
+                    {"co_sm_share": co_sms / N, "sm_bw_co_sm": self._sm_bw()[n] * (co_sms / N)}, 0)
+            return s
         key = (family, n, co, co_sms, type(co_sms), own)  # the type too: an int and a numpy int give other types
         s = self._slow.get(key)
         if s is None:  # memoised: the same co-runner is asked about step after step

@@ -259,7 +259,14 @@ class Scheduler:
         reqs = self._one_step(reqs)
         if not reqs:
             return None
-        return self._fused(lane, partition, self._decode_chunks(reqs), reqs, now, horizon, co, co_sms)
+        # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each
+        tables, new = self.kv.tables, tuple.__new__
+        starts = [r.num_computed for r in reqs]
+        chunks = [new(Chunk, (r.id, s, 1, tables[r.id], True, None, r.sampling)) for r, s in zip(reqs, starts)]
+        n = len(starts)
+        kv_end = sum(starts) + n
+        work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
+        return self._stretch(lane, partition, chunks, reqs, work, starts, 1, now, horizon, co, co_sms)
 
     def _decode_chunks(self, reqs: list[Request]) -> list[Chunk]:
         """One decode chunk per request (its KV held). Built as plain tuples of Chunk's type: the same
@@ -273,14 +280,8 @@ class Scheduler:
         them as end before ``horizon`` and the first completion, and fit the KV pool and
         ``max_decode_steps``. The hot path of a simulation: list comprehensions and builtins over the
         requests (no per-request statements, no small numpy calls)."""
-        kv, bs = self.kv, self.kv.block_size
         n = len(chunks)
         ends = [c.start + c.num_tokens for c in chunks]  # each chunk's KV after the first step
-        # decode steps after the first: up to the first completion and max_decode_steps
-        extra = min(self.cfg.max_decode_steps, min([r.max_new_tokens - r.num_output for r in reqs])) - 1
-        if extra > 0 and n * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
-            tables = kv.tables
-            extra = self._kv_steps([len(tables[r.id]) * bs - e for r, e in zip(reqs, ends)], extra)
         kv_end = sum(ends)
         tokens = kv_end - sum([c.start for c in chunks])
         if tokens == n:  # one token each: n * start + n * (n + 1) / 2 is start + 1
@@ -289,11 +290,24 @@ class Scheduler:
             pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
                                for c in chunks]))
         work = new_work(Work, (self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends)))  # == work_of()
+        return self._stretch(lane, partition, chunks, reqs, work, ends, 0, now, horizon, co, co_sms)
+
+    def _stretch(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], work: Work,
+                 ends: list[int], off: int, now: float, horizon: float | None, co: Work | None,
+                 co_sms: int) -> Batch:
+        """:meth:`_fused` once ``work`` (``work_of`` the first step) is known; ``ends[i] + off`` is request i's
+        KV after the first step."""
+        kv, bs = self.kv, self.kv.block_size
+        # decode steps after the first: up to the first completion and max_decode_steps
+        extra = min(self.cfg.max_decode_steps, min([r.max_new_tokens - r.num_output for r in reqs])) - 1
+        if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
+            tables = kv.tables
+            extra = self._kv_steps([len(tables[r.id]) * bs - off - e for r, e in zip(reqs, ends)], extra)
         if extra > 0 and horizon is not None:
             extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
         if extra > 0:
-            room = kv.tables
-            grow = [(r.id, e + extra) for r, e in zip(reqs, ends) if e + extra > len(room[r.id]) * bs]
+            room, k = kv.tables, extra + off
+            grow = [(r.id, e + k) for r, e in zip(reqs, ends) if e + k > len(room[r.id]) * bs]
             if grow:  # (most stretches stay within the requests' last blocks)
                 kv.grow(grow)
         else:
