@@ -18,9 +18,12 @@ this is the result change of the proposal, not its implementation.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bullet.config import CacheConfig, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 from bullet.perfmodel import Work
@@ -71,20 +74,7 @@ class ContinuingSim(SimExecutor):
         duration = float(cum[-1])
         if f.cum is None:
             f.cum = cum
-        if f.duration:  # the base class's progress arithmetic (a continuation has no host gap)
-            f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
-            if f.knots is None:
-                f.knots = [(now, progress)]
-            else:
-                f.knots.append((now, progress))
-        f.mark, f.duration = now, duration
-        end = now + (1.0 - f.progress) * duration
-        if end != f.end or not f.token:
-            from heapq import heappush
-
-            self._tokens += 1
-            f.end, f.token = end, self._tokens
-            heappush(self._events, (now + (end - now), f.token, lane))
+        self._run_at(lane, f, now, duration)  # (a continuation has no host gap)
 
     def _finish(self, lane, token) -> None:
         f = self._flights.get(lane)

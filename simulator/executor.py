@@ -125,6 +125,11 @@ class SimExecutor:
                 f.end, f.token = end, self._tokens
                 heappush(self._events, (end, f.token, lane))
             return
+        self._run_at(lane, f, now, duration)
+
+    def _run_at(self, lane: Lane, f: _Flight, now: float, duration: float) -> None:
+        """A running flight goes on from ``now`` at the rate of ``duration`` for all its work: the progress
+        made so far is kept, its end moved."""
         if f.duration:  # already running: conserve progress, change rate
             f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
             if f.knots is None:

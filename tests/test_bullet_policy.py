@@ -180,6 +180,17 @@ def test_no_starvation(seed):
     assert late > 10  # the load really is an overload: many miss, none starves
 
 
+def assert_nobody_after_key_first(reqs, done, target: float) -> None:
+    """No request arriving after key(r) = r's arrival + (1 + LATE_GRACE) x ``target`` got its first token
+    before r."""
+    first = {r.id: r.first_token_time for r in done}
+    arrivals = sorted((r.arrival, r.id) for r in reqs)
+    for r in reqs:
+        key = r.arrival + (1 + LATE_GRACE) * target
+        later = arrivals[bisect.bisect_right(arrivals, (key, len(reqs))):]
+        assert all(first[i] >= first[r.id] for _, i in later), r.id
+
+
 @pytest.mark.parametrize("rate", [40.0, 50.0])
 def test_no_job_is_set_aside_for_a_request_past_its_key(rate):
     """An overload with a fixed 200 ms TTFT target: a long prompt's job could be set aside between slices
@@ -189,12 +200,7 @@ def test_no_job_is_set_aside_for_a_request_past_its_key(rate):
     slo = SloConfig(ttft=0.2, tpot=1.0)
     reqs = overload(0, n=1000, rate=rate)
     done, _, _ = run(reqs, slo, max_batched_tokens=2048)
-    first = {r.id: r.first_token_time for r in done}
-    arrivals = sorted((r.arrival, r.id) for r in reqs)
-    for r in reqs:
-        key = r.arrival + (1 + LATE_GRACE) * 0.2
-        later = arrivals[bisect.bisect_right(arrivals, (key, len(reqs))):]
-        assert all(first[i] >= first[r.id] for _, i in later), r.id
+    assert_nobody_after_key_first(reqs, done, 0.2)
 
 
 def test_no_starvation_with_requests_shed_on_arrival():
@@ -207,12 +213,7 @@ def test_no_starvation_with_requests_shed_on_arrival():
     assert sched.num_shed > 10
     _, _, default = run(overload(0, n=1000, rate=60.0), slo, max_batched_tokens=2048)
     assert default.num_shed == 0  # off unless asked for (--overload-deferral)
-    first = {r.id: r.first_token_time for r in done}
-    arrivals = sorted((r.arrival, r.id) for r in reqs)
-    for r in reqs:
-        key = r.arrival + (1 + LATE_GRACE) * 0.2
-        later = arrivals[bisect.bisect_right(arrivals, (key, len(reqs))):]
-        assert all(first[i] >= first[r.id] for _, i in later), r.id
+    assert_nobody_after_key_first(reqs, done, 0.2)
 
 
 def test_admission_control_rejects_and_counts():
