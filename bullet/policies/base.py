@@ -260,19 +260,21 @@ class Scheduler:
         if not reqs:
             return None
         # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each
-        tables, new = self.kv.tables, tuple.__new__
         starts = [r.num_computed for r in reqs]
-        chunks = [new(Chunk, (r.id, s, 1, tables[r.id], True, None, r.sampling)) for r, s in zip(reqs, starts)]
+        chunks = self._decode_chunks(reqs, starts)
         n = len(starts)
         kv_end = sum(starts) + n
         work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
         return self._stretch(lane, partition, chunks, reqs, work, starts, 1, now, horizon, co, co_sms)
 
-    def _decode_chunks(self, reqs: list[Request]) -> list[Chunk]:
-        """One decode chunk per request (its KV held). Built as plain tuples of Chunk's type: the same
-        objects as ``Chunk(...)`` at half the cost of its generated ``__new__`` (one per request per launch)."""
+    def _decode_chunks(self, reqs: list[Request], starts: list[int] | None = None) -> list[Chunk]:
+        """One decode chunk per request (its KV held), from ``starts`` (the requests' ``num_computed``, where
+        the caller has them). Built as plain tuples of Chunk's type: the same objects as ``Chunk(...)`` at half
+        the cost of its generated ``__new__`` (one per request per launch)."""
         tables, new = self.kv.tables, tuple.__new__
-        return [new(Chunk, (r.id, r.num_computed, 1, tables[r.id], True, None, r.sampling)) for r in reqs]
+        if starts is None:
+            starts = [r.num_computed for r in reqs]
+        return [new(Chunk, (r.id, s, 1, tables[r.id], True, None, r.sampling)) for r, s in zip(reqs, starts)]
 
     def _fused(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], now: float,
                horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:
