@@ -267,6 +267,11 @@ class Bullet(LayerSliced):
         ahead = req.known + sum(r.known for r in self.waiting if r is not req and due.get(r.id, 0.0) <= deadline)
         return max(0.0, self.prefill_until - req.arrival) + ahead * self._prefill_per_token()
 
+    def _late_key(self, req_id: int) -> float:
+        """Where a request predicted late is ordered: its deadline plus LATE_GRACE targets. Nobody arriving
+        after it is served before it (the starvation bound)."""
+        return self.deadline[req_id] + LATE_GRACE * self.target[req_id]
+
     def _whole_work(self, req: Request) -> float:
         """Whole-GPU seconds ``req`` asks for: its prompt alone, then its output tokens at their share of a
         full-seat decode step at its mean KV."""
@@ -396,7 +401,7 @@ class Bullet(LayerSliced):
         if deadline == math.inf or head.id in self.rank:  # no target, or a preempted request coming back
             return False
         _, reqs, first = self.job
-        if any(head.arrival > self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in reqs):
+        if any(head.arrival > self._late_key(r.id) for r in reqs):
             return False  # the head came after a job request's late key: it may not go first (no starvation)
         L, p = self.model.num_layers, (self.N - d_cur if d_cur < self.N else self.N)
         rest = float(self.latency.predict(self._job_work(range(first, L)), p))
@@ -767,7 +772,7 @@ class Bullet(LayerSliced):
                 self.rejected.append(r)
                 self._forget(r.id)
             return on_time
-        key = {r.id: self.deadline[r.id] + LATE_GRACE * self.target[r.id] for r in late}
+        key = {r.id: self._late_key(r.id) for r in late}
         late.sort(key=lambda r: (key[r.id], r.id))
         merged, i = [], 0
         for r in on_time:
