@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--gpu", default="h200")
     args = ap.parse_args()
+    for path in [*args.outs, *([args.source] if args.source else [])]:
+        if not path.is_dir():
+            ap.error(f"{path}: not a folder")
+    if args.source and not (args.source / "launches.csv").exists():
+        ap.error(f"--from {args.source}: no launches.csv (give a run folder, trace@rate)")
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     base = latency_model(args.latency, spec, gpu)
     fixed = launch_speed(launch_rows(args.source)) if args.source else \
