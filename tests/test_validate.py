@@ -334,3 +334,20 @@ def test_save_scaled_writes_the_model_at_the_runs_launch_speed(tmp_path):
     assert not (tmp_path / "no.json").exists()
     res = runner.invoke(app, [*args, "--latency", str(model), "--save-scaled", str(tmp_path)])
     assert res.exit_code == 2 and "is a folder" in res.output
+
+
+def test_saved_validate_runs_are_rebuilt_as_validate_simulated_them():
+    """bench/validate_rescale.py at speed 1.0 on a saved H200 validate run prints the gated errors that
+    `bullet validate` recorded on the GPU (its report.json): the requests, scheduler, KV pool and SLOs are
+    rebuilt as the run had them."""
+    import subprocess
+    import sys
+
+    run = Path(__file__).resolve().parents[1] / "bench/data/validate-h200-2026-12-01/gpu-944cc754/sharegpt@17.775"
+    out = subprocess.run([sys.executable, "bench/validate_rescale.py", str(run), "--factors", "1,1"],
+                         capture_output=True, text=True, check=True, cwd=run.parents[4]).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| sharegpt@17.775"))
+    recorded = {r["metric"]: 100 * r["error"] for r in json.loads((run / "report.json").read_text())["errors"]}
+    cells = [c.strip() for c in row.strip("|").split("|")][3:7]
+    expected = [recorded[m] for m in ("TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)")]
+    assert [float(c.rstrip(" %")) for c in cells] == pytest.approx(expected, abs=0.051)
