@@ -91,6 +91,7 @@ class EngineRunner:
         self._deadline: float | None = None  # wall clock (time.monotonic) after which held requests are aborted
         self._aborted_all = False
         self._ready = threading.Event()  # set once thread_init has run (or failed)
+        self._init_error: str | None = None  # why thread_init failed (start raises it)
         self._thread = threading.Thread(target=self._run, name="bullet-engine", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------------------------
@@ -99,8 +100,8 @@ class EngineRunner:
         which must run on the thread that serves); RuntimeError if it failed."""
         self._thread.start()
         self._ready.wait()
-        if self.error is not None:
-            raise RuntimeError(self.error)
+        if self._init_error is not None:  # (not self.error: the first step may already have failed too)
+            raise RuntimeError(self._init_error)
 
     def submit(self, req: Request) -> None:
         """Queue ``req`` for the engine; EngineDead if the engine takes no more requests."""
@@ -138,7 +139,8 @@ class EngineRunner:
                 self.thread_init()
         except Exception as e:
             log.exception("the engine thread's start-up failed")
-            self._die(f"the engine's start-up failed: {type(e).__name__}: {e}")
+            self._init_error = f"the engine's start-up failed: {type(e).__name__}: {e}"
+            self._die(self._init_error)
             return
         finally:
             self._ready.set()
