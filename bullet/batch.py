@@ -90,13 +90,17 @@ class Executor(Protocol):
         """Seconds, wall or virtual."""
 
     def launch(self, batch: Batch) -> None:
-        """Non-blocking; at most one batch in flight per lane."""
+        """Non-blocking; at most one batch in flight per lane, and (async scheduling) one queued behind it,
+        which starts when that one ends."""
 
     def wait(self, until: float | None) -> list[StepResult]:
         """Finished steps (in end order); [] once ``until`` passes with nothing finished."""
 
     def busy(self, lane: Lane) -> bool:
         """A batch is in flight on ``lane``."""
+
+    def queued(self, lane: Lane) -> bool:
+        """A batch waits behind the one in flight on ``lane`` (async scheduling)."""
 
     def release(self, req_id: int) -> None:
         """Forget request ``req_id``: it ended (finished, rejected or aborted) and is in no launch."""

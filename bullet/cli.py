@@ -48,6 +48,7 @@ from .cli_options import (
     WORKLOAD,
     AdmissionControlOpt,
     ArrivalOpt,
+    AsyncSchedulingOpt,
     BlockSizeOpt,
     BurstinessOpt,
     CvOpt,
@@ -336,6 +337,7 @@ def simulate(
     slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
     admission_control: AdmissionControlOpt = False,
     overload_deferral: OverloadDeferralOpt = False,
+    async_scheduling: AsyncSchedulingOpt = False,
     decode_sizes: DecodeSizesOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
     tp: Annotated[int | None, typer.Option(
@@ -401,7 +403,8 @@ def simulate(
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                                 layers_per_step=layers_per_step, slo_margin=slo_margin,
-                                admission_control=admission_control, overload_deferral=overload_deferral, decode_sizes=sizes)
+                                admission_control=admission_control, overload_deferral=overload_deferral,
+                                decode_sizes=sizes, async_scheduling=async_scheduling)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
         kv_blocks = cache.blocks_for(model_spec, gpu_spec)
@@ -460,7 +463,7 @@ def simulate(
         "slo_margin": slo_margin if policy.value == "bullet" else None,
         "admission_control": admission_control if policy.value == "bullet" else None,
         "overload_deferral": overload_deferral if policy.value == "bullet" else None,
-        "decode_sizes": list(sizes) if sizes else None,
+        "decode_sizes": list(sizes) if sizes else None, "async_scheduling": async_scheduling,
         "model": model, "tensor_parallel_size": model_spec.tp, "gpu": gpu_spec.name, "latency": latency,
         "latency_model": latency_name(latency_backend),
         "slo": slo_label, "slo_ttft_ms": None if slo_cfg.ttft is None else slo_cfg.ttft * 1e3,

@@ -91,6 +91,12 @@ OverloadDeferralOpt = Annotated[bool, typer.Option(
          "bounded) until arrivals lull. Raises capacity under a sustained overload; can cost attainment near "
          "the GPU's capacity.",
     rich_help_panel=POLICY)]
+AsyncSchedulingOpt = Annotated[bool, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Plan each launch while the one before it runs on the GPU (as vLLM's --async-scheduling and SGLang's "
+         "overlap scheduler do): the engine's host time between launches is hidden; a request that arrives in "
+         "the last 2 ms of a launch joins one launch later. chunked and prefill-first only.",
+    rich_help_panel=POLICY)]
 DecodeSizesOpt = Annotated[str | None, typer.Option(
     help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",
     show_default=False, rich_help_panel=POLICY)]

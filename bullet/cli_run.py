@@ -24,6 +24,7 @@ from .cli_options import (
     DEFAULT_SLO_MARGIN,
     HARDWARE,
     AdmissionControlOpt,
+    AsyncSchedulingOpt,
     BlockSizeOpt,
     DecodeSizesOpt,
     GoodputOpt,
@@ -79,6 +80,7 @@ def run(
     slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
     admission_control: AdmissionControlOpt = False,
     overload_deferral: OverloadDeferralOpt = False,
+    async_scheduling: AsyncSchedulingOpt = False,
     decode_sizes: DecodeSizesOpt = None,
     slo: SloOpt = DEFAULT_SLO,
     slo_ttft: SloTtftOpt = None,
@@ -138,7 +140,7 @@ def run(
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                 prefill_sms=prefill_sms, layers_per_step=layers_per_step, slo_margin=slo_margin,
                                 admission_control=admission_control, overload_deferral=overload_deferral, decode_sizes=sizes,
-                                max_decode_steps=max_decode_steps)
+                                max_decode_steps=max_decode_steps, async_scheduling=async_scheduling)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)
         server = build_server(model, device=device, weights=weights,

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_options import AsyncSchedulingOpt
 from .cli_trace import fail, parse_host_gap, parse_sizes
 from .config import POLICIES, ConfigError, SchedulerConfig, SloConfig, resolve_gpu, resolve_model
 
@@ -56,6 +57,7 @@ def validate(
     slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in ms.")] = 150.0,
     slo_ttft_per_token: Annotated[float | None, typer.Option(help="TTFT SLO in ms per prompt token.")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = False,
+    async_scheduling: AsyncSchedulingOpt = False,
     num_blocks: Annotated[int | None, typer.Option(help="KV blocks (default: from GPU memory; 4096 on the "
                                                         "CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory to use.")] = 0.85,
@@ -99,7 +101,7 @@ def validate(
         spec, gpu_spec = resolve_model(model), resolve_gpu(gpu)
         sizes = parse_sizes(decode_sizes)
         cfg = SchedulerConfig(policy=policy, max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
-                              layers_per_step=layers_per_step, decode_sizes=sizes)
+                              layers_per_step=layers_per_step, decode_sizes=sizes, async_scheduling=async_scheduling)
         slo = SloConfig(ttft=_ms(slo_ttft), tpot=_ms(slo_tpot), ttft_per_token=_ms(slo_ttft_per_token))
         lat = latency_model(latency, spec, gpu_spec)
         if save_scaled is not None and not hasattr(lat, "scaled"):

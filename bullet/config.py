@@ -354,6 +354,7 @@ SLO_PRESETS: dict[str, SloConfig] = {
 
 PolicyName = Literal["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
 POLICIES: tuple[str, ...] = ("chunked", "prefill-first", "static-split", "naive-concurrent", "bullet")
+SINGLE_LANE: tuple[str, ...] = ("chunked", "prefill-first")  # policies that run every launch on the whole GPU
 
 
 BULLET_LAYERS_PER_STEP = 8  # bullet's prefill slice when layers_per_step is not given
@@ -375,6 +376,8 @@ class SchedulerConfig:
     # 10 req/s and up to 5 of 400 requests on held-out bursts at 12-14 req/s (bench/RESULTS.md)
     overload_deferral: bool = False
     decode_sizes: tuple[int, ...] | None = None  # bullet: the decode partition sizes it may use (None: the menu)
+    # plan each launch while the one before it runs (the engine's host time hidden); single-lane policies only
+    async_scheduling: bool = False
 
     def prefill_layers(self, num_layers: int) -> int:
         """Layers of one prefill launch: ``layers_per_step``; unset, bullet's slice (:data:`BULLET_LAYERS_PER_STEP`)
@@ -394,3 +397,7 @@ class SchedulerConfig:
             raise ConfigError("SchedulerConfig.slo_margin must be in [0, 1)")
         if self.decode_sizes is not None and not self.decode_sizes:
             raise ConfigError("SchedulerConfig.decode_sizes must name at least one size")
+        if self.async_scheduling and self.policy not in SINGLE_LANE:
+            raise ConfigError(f"async scheduling is built for the single-lane policies ({', '.join(SINGLE_LANE)}), "
+                              f"not {self.policy}: its two lanes run side by side and would need ordering across "
+                              "lanes")

@@ -13,6 +13,13 @@ Rules that hold for both:
 - an abort of a request inside a launch in flight takes effect when that launch returns (its KV is freed
   then); otherwise at once;
 - every request added ends exactly once: one :class:`Update` with ``finished`` set.
+
+``SchedulerConfig.async_scheduling`` (single-lane policies): shortly before a lane's launch N is predicted to end
+(:data:`AHEAD_LEAD_S`), launch N+1 is planned from N's expected outcome and queued behind it
+(``Scheduler.plan_ahead``), so the host's time between launches (reading tokens back, the policy, preparing
+inputs) runs while the GPU works; N's tokens reach the requests before N+2 is planned. A request that arrives
+in that lead joins at N+2. Where the next arrival is known (trace replay) and comes before N's end, N+1 is
+planned when N returns, as without async scheduling: the arrival is then in it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from .policies.base import Scheduler, SchedulingError
 from .request import Request
 
 ABORTED = "aborted"
+AHEAD_LEAD_S = 0.002  # async scheduling: plan a lane's next launch this long before its launch in flight ends
 _AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 
 
@@ -75,6 +83,10 @@ class Engine:
                  live_window: float | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.ahead = scheduler.cfg.async_scheduling
+        if self.ahead:
+            scheduler.plan_ahead()
+        self._ends: dict[str, float] = {}  # async: each lane's newest launch's predicted end
         self.stream = stream
         self.live_window = live_window
         self._no_first: dict[int, Request] | None = {} if "all" in scheduler.lanes else None
@@ -130,8 +142,9 @@ class Engine:
         req = self.held.get(req_id)
         if req is None:
             return False
-        if req_id in self.scheduler.busy:  # inside a launch (or a layer-sliced prefill under way)
+        if self.scheduler.holds(req_id):  # inside a launch (or a layer-sliced prefill under way)
             self._aborting[req_id] = why
+            self.scheduler.hold_back(req_id)
         else:
             self._drop(req, why)
         return True
@@ -174,7 +187,13 @@ class Engine:
         if self.stalled and until is None:
             raise SchedulingError(f"stalled at t={now:.3f}s with {len(sched.waiting)} waiting and "
                                   f"{len(sched.running)} running requests and nothing schedulable")
-        for res in ex.wait(until):
+        wake = until
+        if self.ahead:  # wake up to plan a lane's next launch ahead of its end
+            for lane in lanes:
+                due = self._ahead_due(lane, horizon)
+                if due is not None and due > ex.now() and (wake is None or due < wake):
+                    wake = due
+        for res in ex.wait(wake):
             if self.on_step is not None:
                 self.on_step(res)
             done = sched.on_result(res)
@@ -183,7 +202,7 @@ class Engine:
             for req in done:
                 self._end(req, self._reason(req))
             if self._aborting:
-                for rid in [r for r in self._aborting if r not in sched.busy]:
+                for rid in [r for r in self._aborting if not sched.holds(r)]:
                     why = self._aborting.pop(rid)
                     req = self.held.get(rid)
                     if req is not None:
@@ -209,6 +228,19 @@ class Engine:
                     ex.launch(batch)
                     if self.on_launch is not None:
                         self.on_launch(batch)
+                    if self.ahead:
+                        self._ends[lane] = sched.predicted_end(batch, now)
+            if self.ahead:
+                due = self._ahead_due(lane, plan_to)
+                if due is not None and now >= due:  # plan N+1 from N's expected end, queued behind N
+                    start = max(now, self._ends[lane])
+                    batch = sched.schedule(lane, start, plan_to if self.live_window is None else
+                                           self._horizon(start))
+                    if batch is not None:
+                        ex.launch(batch)
+                        if self.on_launch is not None:
+                            self.on_launch(batch)
+                        self._ends[lane] = sched.predicted_end(batch, start)
         if sched.rejected:  # admission control turned these away (Request.error says why)
             for req in sched.rejected:
                 self.held.pop(req.id, None)
@@ -216,6 +248,17 @@ class Engine:
             sched.rejected.clear()
             return False
         return True
+
+    def _ahead_due(self, lane: str, plan_to: float | None) -> float | None:
+        """Async scheduling: when to plan ``lane``'s next launch ahead (None: not now, nothing to plan ahead
+        of, one is queued already, or a known arrival comes before the launch in flight ends)."""
+        ex = self.executor
+        if not ex.busy(lane) or ex.queued(lane):
+            return None
+        end = self._ends.get(lane)
+        if end is None or (self.live_window is None and plan_to is not None and plan_to <= end):
+            return None
+        return end - AHEAD_LEAD_S
 
     def _report(self, res: StepResult, done: list[Request]) -> None:
         """Stream mode: an update with the new tokens of every request that sampled in ``res``; a request

@@ -4,6 +4,9 @@ predicted time`` (the host gap: the engine's own time before the launch's work s
 the prediction accounts for what co-runs on the other lane; when the co-runner changes mid-flight, the
 remaining work is re-timed at the new rate (progress is conserved), so contention is modelled both ways.
 
+A launch made while its lane is busy (async scheduling) is queued behind the one in flight and starts when
+that one ends, with no host gap (the engine's host time ran while the GPU worked); one may wait per lane.
+
 The clock is a heap of launch ends, at most one live entry per lane (a re-timed launch leaves its old entry
 behind, skipped when it comes up). It keeps simpy's arithmetic and order -- an event at ``now + (t - now)``,
 ties in the order scheduled, ``wait(until)`` stopping before anything due at ``until`` -- which this executor
@@ -61,6 +64,7 @@ class SimExecutor:
             self._work_of = lambda b, n: batch_work(latency, b, n)
         self.num_layers = num_layers
         self._flights: dict[Lane, _Flight] = {}
+        self._queued: dict[Lane, Batch] = {}  # a launch waiting behind the lane's flight (async scheduling)
         self._done: list[StepResult] = []
         self._tokens = 0
         self._pending: float | None = None  # a launch ended then: the other lane's re-time, not yet done
@@ -72,22 +76,32 @@ class SimExecutor:
     def busy(self, lane: Lane) -> bool:
         return lane in self._flights
 
+    def queued(self, lane: Lane) -> bool:
+        """A launch waits behind the one in flight on ``lane``."""
+        return lane in self._queued
+
     def release(self, req_id: int) -> None:
         """Nothing to forget: the simulator keeps no per-request state."""
 
     def launch(self, batch: Batch) -> None:
+        lane = batch.partition.lane
+        if lane in self._flights:
+            if lane in self._queued:
+                raise RuntimeError(f"lane {lane!r} already has a batch in flight and one queued")
+            self._queued[lane] = batch
+            return
+        self._start(batch, self._now, True)
+
+    def _start(self, batch: Batch, now: float, gap: bool) -> None:
         part = batch.partition
         lane, flights = part.lane, self._flights
-        if lane in flights:
-            raise RuntimeError(f"lane {lane!r} already has a batch in flight")
         key = (lane, part.num_sms, *[(f.sms, f.batch.partition.lane) for f in flights.values()])
         if key not in self._legal:  # the rule depends on the lanes and sizes alone: checked once per combination
             check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
             self._legal.add(key)
-        now = self._now
         work = self._work_of(batch, self.num_layers)
         a, b = self.host_gap
-        begin = now + (a + b * len(batch.chunks)) if a or b else now
+        begin = now + (a + b * len(batch.chunks)) if gap and (a or b) else now
         f = flights[lane] = _Flight(batch, work, part.num_sms, batch.steps, begin, mark=begin)
         self._pending = None  # (pending since now: this re-time covers it, see _finish)
         if len(flights) == 1:
@@ -160,6 +174,11 @@ class SimExecutor:
             ends = np.interp(f.cum / f.cum[-1], ps, ts)
             ends[-1] = end
         self._done.append(StepResult(f.batch, f.start, end, ends, None))
+        if self._queued:
+            queued = self._queued.pop(lane, None)
+            if queued is not None:  # starts now, on the GPU's heels: its host part ran meanwhile
+                self._start(queued, end, False)
+                return
         if self._flights:
             # The other lane runs alone from now on, but the engine usually launches on this lane at once:
             # re-time it then (or at the next wait). A re-time at the same instant adds no progress and

@@ -23,14 +23,21 @@ from tests.test_scheduler import EchoExecutor
 
 MODEL = MODELS["llama-3.1-8b"]
 GPU = GPUS["h200"]
-POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
+# "+async": the policy with async scheduling (each launch planned while the one before it runs)
+POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet", "chunked+async",
+            "prefill-first+async"]
 SPLIT = {"static-split": {"layers_per_step": 8}, "bullet": {"layers_per_step": 8}}
+
+
+def config(policy, **cfg):
+    name, _, mode = policy.partition("+")
+    return SchedulerConfig(policy=name, async_scheduling=mode == "async", **{**SPLIT.get(name, {}), **cfg})
 
 
 def setup(policy, num_blocks=4000, **cfg):
     lat = LinearLatency(MODEL.num_layers)
     kv = BlockManager(num_blocks, 16)
-    sched = make_scheduler(SchedulerConfig(policy=policy, **{**SPLIT.get(policy, {}), **cfg}), MODEL, GPU, kv, lat)
+    sched = make_scheduler(config(policy, **cfg), MODEL, GPU, kv, lat)
     return sched, EchoExecutor(lat, MODEL.num_layers, GPU), kv
 
 
@@ -136,7 +143,7 @@ def test_abort_inside_a_launch_takes_effect_when_it_returns(policy):
         eng.add(Request(i, 0.0, 1200, 100))
     eng.step(1e-4)  # everything just launched is still in flight
     assert any(ex.busy(lane) for lane in sched.lanes)
-    victim = next(iter(sched.busy))
+    victim = next(iter(sched.busy or sched.pinned))  # (async scheduling: its launch holds it, planned or not)
     assert eng.abort(victim) and not eng.flush()
     assert victim in kv.tables  # not yet: the launch holding it is in flight
     ends = []
@@ -222,8 +229,8 @@ def tiny_run(weights, policy, eos, ignore_eos, **cfg):
         reqs.append(Request(i, 0.002 * i, plen, 10, prompt_ids=ids, sampling=SamplingParams(ignore_eos=ignore_eos)))
     ex = GpuExecutor(TINY, "dummy", "cpu", block_size=4, num_blocks=128, seed=5, weights=weights)
     kv = BlockManager(128, 4)
-    cfg = {**({"layers_per_step": 1} if policy in SPLIT else {}), **cfg}
-    sched = make_scheduler(SchedulerConfig(policy=policy, max_batched_tokens=32, **cfg), TINY, GPU, kv,
+    cfg = {**({"layers_per_step": 1} if policy.partition("+")[0] in SPLIT else {}), **cfg}
+    sched = make_scheduler(config(policy, max_batched_tokens=32, **cfg), TINY, GPU, kv,
                            LinearLatency(TINY.num_layers), eos_token_id=eos)
     ups = drive(Engine(sched, ex, stream=True), reqs, step_until=0.01)
     ex.close()
@@ -231,7 +238,7 @@ def tiny_run(weights, policy, eos, ignore_eos, **cfg):
     return reqs, {u.request.id: u.reason for u in ups if u.finished}
 
 
-@pytest.mark.parametrize("policy,fuse", [(p, 64) for p in POLICIES] + [("chunked", 1)])
+@pytest.mark.parametrize("policy,fuse", [(p, 64) for p in POLICIES] + [("chunked", 1), ("chunked+async", 1)])
 def test_eos_ends_a_request_wherever_it_falls(tiny_weights, policy, fuse):
     """Outputs without an EOS id are the reference; with EOS = a token some outputs produce (first at a
     chosen position), each output is cut right after its first EOS (reason "stop"), whether the EOS was a

@@ -98,6 +98,8 @@ def check_against_reference(weights, done, reqs):
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1}),
     ("naive-concurrent", {"max_batched_tokens": 32}),
     ("bullet", {"max_batched_tokens": 32, "layers_per_step": 1}),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}),
+    ("prefill-first", {"max_batched_tokens": 24, "async_scheduling": True}),
 ])
 def test_serve_matches_reference(weights, policy, cfg):
     reqs = make_requests(7, seed=1, with_ids=True)
@@ -122,6 +124,7 @@ def test_serve_matches_reference(weights, policy, cfg):
 
 @pytest.mark.parametrize("policy,cfg,lanes", [
     ("chunked", {"max_batched_tokens": 16}, [("all", 132)]),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, [("all", 132)]),
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 92},
      [("prefill", 92), ("decode", 40)]),
 ])
@@ -209,11 +212,15 @@ def test_prepare_graphs_out_of_memory_names_the_way_out():
         prepare_graphs(Full(), SchedulerConfig(policy="bullet", decode_sizes=(16, 40)), GPUS["h200"])
 
 
-def test_preemption_recompute_matches_reference(weights):
-    """A pool too small for everyone: preempted requests recompute prompt and outputs they already have."""
+@pytest.mark.parametrize("ahead", [False, True])
+def test_preemption_recompute_matches_reference(weights, ahead):
+    """A pool too small for everyone: preempted requests recompute prompt and outputs they already have
+    (with async scheduling too: a request is preempted only once no launch in flight holds it; whether one is
+    depends on the host's timing here, on a wall clock: tests/test_async.py counts them on a virtual one)."""
     reqs = [Request(i, 0.0, 10 + 3 * i, 8) for i in range(6)]
-    done, _steps, _ = run_serve(weights, reqs, "chunked", num_blocks=14, max_batched_tokens=16)
-    assert sum(r.num_preemptions for r in done) > 0
+    done, _steps, _ = run_serve(weights, reqs, "chunked", num_blocks=14, max_batched_tokens=16,
+                                async_scheduling=ahead)
+    assert ahead or sum(r.num_preemptions for r in done) > 0
     check_against_reference(weights, done, reqs)
 
 
@@ -240,6 +247,7 @@ def shared_prefix_waves():
 
 @pytest.mark.parametrize("policy,cfg", [
     ("chunked", {"max_batched_tokens": 16}),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}),
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1}),
 ])
 def test_prefix_cache_hits_match_reference(weights, policy, cfg):
@@ -300,9 +308,14 @@ def test_launch_rules(weights):
     ex = direct_executor(weights)
     b = Batch(Partition("all", 132), range(SPEC.num_layers), (Chunk(0, 0, 3, (0,), True),))
     ex.launch(b)
-    with pytest.raises(RuntimeError, match="in flight"):
+    nxt = Batch(Partition("all", 132), range(SPEC.num_layers), (Chunk(0, 3, 1, (0,), True),))
+    ex.launch(nxt)  # queued behind it (async scheduling): it decodes the token b samples
+    assert ex.busy("all") and ex.queued("all")
+    with pytest.raises(RuntimeError, match="in flight and one queued"):
         ex.launch(b)
-    assert len(ex.wait(None)) == 1 and ex.wait(None) == []
+    (first,), (second,) = ex.wait(None), ex.wait(None)
+    assert (first.batch, second.batch) == (b, nxt) and first.end <= second.start and ex.wait(None) == []
+    assert not ex.busy("all") and not ex.queued("all")
     with pytest.raises(RuntimeError, match="hidden state"):  # a slice that continues nothing
         ex.launch(Batch(Partition("prefill", 92), range(1, 2), (Chunk(5, 0, 3, (1,), True),)))
     t = ex.now()
@@ -353,6 +366,9 @@ def test_seeded_sampling_is_deterministic(weights):
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 68},
      [("prefill", 68), ("decode", 64)]),
     ("chunked", {"max_batched_tokens": 16}, [("all", 132)]),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, ()),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, [("all", 132)]),
+    ("prefill-first", {"max_batched_tokens": 24, "async_scheduling": True}, [("all", 132)]),
 ])
 def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg, lanes):
     """float32 on the GPU (Triton kernels, green-context streams, decode graphs, and prefill graphs where

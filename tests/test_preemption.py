@@ -22,14 +22,18 @@ from tests.test_scheduler import EchoExecutor
 MODEL = MODELS["llama-3.1-8b"]
 GPU = GPUS["h200"]
 L = MODEL.num_layers
-POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet"]
+# "+async": with async scheduling (a launch planned while the one before it runs; requests in flight are never
+# victims, so a request short of KV may wait a launch instead of evicting one)
+POLICIES = ["chunked", "prefill-first", "static-split", "naive-concurrent", "bullet", "chunked+async",
+            "prefill-first+async"]
 # static-split halves the GPU (64 / 68 SMs), which LinearLatency makes each lane about 2x slower: its span may
 # legitimately be up to ~2.4x chunked's (seen over 200 random workloads); the whole-GPU policies stay within
 # 1.4x; bullet (decode held at 64 SMs here) splits it too. The bug this guards against made prefill-first 3-27x slower than chunked on the same inputs.
 # Tiny workloads under a small token budget go further for the split policies: 4 requests, a 64-token budget
 # and a 9-block pool (hypothesis seed 243544) took static-split 3.08x chunked's 0.20 s: its half-GPU decode lane
 # was busy 0.60 s of the 0.62 s span, in 9 launches as chunked's 9, with 2 preemptions in each and none twice.
-SPAN_FACTOR = {"prefill-first": 2.0, "naive-concurrent": 2.0, "static-split": 4.0, "bullet": 4.0}
+SPAN_FACTOR = {"prefill-first": 2.0, "naive-concurrent": 2.0, "static-split": 4.0, "bullet": 4.0, "chunked+async": 2.0,
+               "prefill-first+async": 2.0}
 
 
 class Spy:
@@ -49,7 +53,8 @@ class Spy:
         def spy_preempt(victim):
             s = self.sched
             self.events.append((self.asker, victim, s.rank[victim.id], victim.num_preemptions,
-                                victim.id in s.busy, victim.num_computed, s.rank[self.asker.id]))
+                                s.holds(victim.id) or victim.id in s.busy, victim.num_computed,
+                                s.rank[self.asker.id]))
             preempt(victim)
 
         sched._reserve, sched.preempt = spy_reserve, spy_preempt
@@ -64,6 +69,8 @@ class Spy:
 
 
 def run(policy, reqs, num_blocks, prefix_caching=False, **cfg):
+    policy, _, mode = policy.partition("+")
+    cfg["async_scheduling"] = mode == "async"
     if policy == "static-split":
         cfg = {"prefill_sms": 68, "layers_per_step": 8, **cfg}
     if policy == "bullet":  # one decode size: its KV behaviour, not its TPOT squeeze, is under test here

@@ -127,6 +127,26 @@ def fill_rows(chunks: Sequence[Chunk], block_size: int, pos: np.ndarray, slot: n
             k += 1
 
 
+class CopyFence:
+    """The last host->device copy out of a pinned staging buffer that is reused: ``wait()`` before writing the
+    buffer again, ``mark()`` right after enqueuing the copy. With one launch per lane the copy has long run by
+    then; a launch queued behind another (async scheduling) may fill the buffer before the copy of the launch
+    ahead of it has run. A no-op on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._ev = torch.cuda.Event() if cuda else None
+        self._marked = False
+
+    def wait(self) -> None:
+        if self._marked:
+            self._ev.synchronize()
+
+    def mark(self) -> None:
+        if self._ev is not None:
+            self._ev.record()
+            self._marked = True
+
+
 class DecodeBuffers:
     """Static metadata tensors for CUDA-graph capture of decode steps (one token per sequence).
 
@@ -149,6 +169,7 @@ class DecodeBuffers:
         self.buf.copy_(self._host)
         self.seq_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # for graph inputs
+        self._fence = CopyFence(self.device.type == "cuda")
 
     def fill(self, chunks: Sequence[Chunk], bs: int | None = None) -> None:
         """Rows for one-token ``chunks`` (position ``start``), padded to ``bs`` rows. Each row gets the
@@ -156,6 +177,7 @@ class DecodeBuffers:
         ahead of them read it, not a stale column."""
         n = len(chunks)
         positions = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        self._fence.wait()
         bt = self._np[:n, _NCOLS:]
         B = self.block_size
         for i, c in enumerate(chunks):
@@ -170,6 +192,7 @@ class DecodeBuffers:
     def fill_arrays(self, positions: np.ndarray, block_tables: np.ndarray, bs: int | None = None) -> None:
         """Rows from arrays: ``positions[i]`` of the new token, ``block_tables[i, :]`` (at most max_blocks)."""
         n = len(positions)
+        self._fence.wait()
         self._np[:n, _NCOLS:_NCOLS + block_tables.shape[1]] = block_tables
         self._write(np.asarray(positions, dtype=np.int64), bs)
 
@@ -186,6 +209,7 @@ class DecodeBuffers:
         h[n:bs, _CTX] = 0
         h[n:bs, _SLOT] = -1
         self.buf[:bs].copy_(self._host[:bs], non_blocking=True)
+        self._fence.mark()
 
     def meta(self, bs: int) -> AttnMeta:
         """An AttnMeta over the first ``bs`` rows (views: valid for capture and replay alike)."""

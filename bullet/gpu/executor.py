@@ -170,6 +170,7 @@ class GpuExecutor:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._reqs: dict[int, _ReqState] = {}
         self._inflight: dict[Lane, _Flight] = {}
+        self._queued: dict[Lane, _Flight] = {}  # a launch enqueued behind the lane's flight (async scheduling)
         # hidden states of layer-sliced prefill jobs between launches, by (lane, job): a policy may pause a job
         # between slices to run a more urgent one first, so a lane holds up to HELD_PER_LANE of them
         self._held: dict[tuple[Lane, tuple], _Held] = {}
@@ -177,7 +178,8 @@ class GpuExecutor:
         # CUDA events and pinned read-back buffers, made once and reused (not allocated for each launch)
         self._timing_events: list = []
         self._done_events: list = []
-        self._host_bufs: dict[Lane, torch.Tensor] = {}
+        self._host_bufs: dict[tuple[Lane, int], torch.Tensor] = {}
+        self._flip: dict[Lane, int] = {}  # which of a lane's two read-back buffers its next launch uses
         self._ref = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -193,10 +195,18 @@ class GpuExecutor:
     def busy(self, lane: Lane) -> bool:
         return lane in self._inflight
 
+    def queued(self, lane: Lane) -> bool:
+        return lane in self._queued
+
     def launch(self, batch: Batch) -> None:
+        """Enqueue ``batch`` on its lane's stream. On a busy lane (async scheduling) it is queued behind the
+        launch in flight: that one is enqueued to its end first (the queued one reads the last tokens it
+        writes, and its pieces are not interleaved with another lane's any more), then all of this one; the
+        stream runs them in order."""
         lane = batch.lane
-        if lane in self._inflight:
-            raise RuntimeError(f"GpuExecutor.launch: lane {lane!r} already has a batch in flight")
+        head = self._inflight.get(lane)
+        if head is not None and lane in self._queued:
+            raise RuntimeError(f"GpuExecutor.launch: lane {lane!r} already has a batch in flight and one queued")
         if not batch.chunks:
             raise ValueError("GpuExecutor.launch: empty batch")
         layers = batch.layers
@@ -206,13 +216,21 @@ class GpuExecutor:
         if batch.steps > 1 and (layers.start, layers.stop) != (0, L):
             raise ValueError("GpuExecutor.launch: fused decode steps need all layers")
         if self.menu is not None:
-            check_launch(batch, (f.batch for f in self._inflight.values()),
+            check_launch(batch, (f.batch for f in self._inflight.values() if f.batch.lane != lane),
                          {"prefill": self.menu.prefill, "decode": self.menu.decode, "all": (self.menu.num_sms,)},
                          self.menu.num_sms)
+        if head is not None:
+            while head.work is not None:
+                self._advance(head)
         self._order += 1
         f = self._run_cuda(batch, self._side(batch)) if self.cuda else self._run_cpu(batch)
-        self._inflight[lane] = f
-        self._advance(f)
+        if head is None:
+            self._inflight[lane] = f
+            self._advance(f)
+        else:
+            self._queued[lane] = f
+            while f.work is not None:
+                self._advance(f)
 
     def wait(self, until: float | None = None) -> list[StepResult]:
         while True:
@@ -291,6 +309,7 @@ class GpuExecutor:
         self._graphs.clear()
         self.prefill_graphs.clear()  # their buffers were used on green streams: free them while those live
         self._inflight.clear()
+        self._queued.clear()
         self._held.clear()
         # pinned read-back buffers record an event on the streams they were copied on when they are freed: a
         # buffer outliving its green stream aborts the process at exit (measured on the H200: "context is
@@ -635,12 +654,13 @@ class GpuExecutor:
         f.done_ev.record()
 
     def _host_buffer(self, lane: Lane, n: int) -> torch.Tensor:
-        """The lane's pinned buffer for a launch's sampled ids (``n`` of them): one launch in flight per lane,
-        and ``_finish`` copies the ids out before the lane's next launch, so one buffer serves every launch
-        (it grows to the largest launch seen)."""
-        buf = self._host_bufs.get(lane)
+        """A pinned buffer for a launch's sampled ids (``n`` of them). A lane has at most two launches out (one
+        in flight, one queued behind it), and ``_finish`` copies the ids out before the lane's launch after
+        next, so the lane's launches take its two buffers in turn (each grows to the largest launch seen)."""
+        flip = self._flip[lane] = self._flip.get(lane, 1) ^ 1
+        buf = self._host_bufs.get((lane, flip))
         if buf is None or buf.numel() < n:
-            buf = self._host_bufs[lane] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+            buf = self._host_bufs[lane, flip] = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
         return buf[:n]
 
     def _advance(self, f: _Flight) -> None:
@@ -657,6 +677,10 @@ class GpuExecutor:
                 lane = f.batch.lane
                 if self._inflight.get(lane) is f:
                     del self._inflight[lane]
+                    if lane in self._queued:  # (it read what this one was to write: it goes too)
+                        del self._queued[lane]
+                elif self._queued.get(lane) is f:
+                    del self._queued[lane]
                 self._held.pop(self._job_key(lane, self._order_chunks(f.batch)[1]), None)
                 raise
 
@@ -676,7 +700,7 @@ class GpuExecutor:
 
     def flush(self) -> None:
         """Enqueue every launch in flight to its end now (the profiler times a launch's whole host part)."""
-        for f in list(self._inflight.values()):
+        for f in [*self._inflight.values(), *self._queued.values()]:
             while f.work is not None:
                 self._advance(f)
 
@@ -713,6 +737,10 @@ class GpuExecutor:
     def _finish(self, f: _Flight) -> StepResult:
         batch = f.batch
         del self._inflight[batch.lane]
+        if self._queued:
+            nxt = self._queued.pop(batch.lane, None)
+            if nxt is not None:
+                self._inflight[batch.lane] = nxt
         if f.times is not None:
             start, end, ends = f.times
             dev = f.tokens

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..batch import Chunk
-from .attention import AttnMeta, fill_rows
+from .attention import AttnMeta, CopyFence, fill_rows
 from .kernels.prefill_attention import tile_table
 from .kvcache import PagedKvCache
 from .model import Model
@@ -64,6 +64,7 @@ class PrefillGraphs:
         offs = np.cumsum((0,) + tuple(-(-x // 4) * 4 for x in sizes))
         self._host = torch.zeros(int(offs[-1]), dtype=torch.int32, pin_memory=self.cuda)
         self._dev = torch.zeros(int(offs[-1]), dtype=torch.int32, device=device)
+        self._fence = CopyFence(self.cuda)
         h = self._host.numpy()
         self._np = [h[offs[i]:offs[i] + sizes[i]] for i in range(7)]
         self._parts = [self._dev[offs[i]:offs[i] + sizes[i]] for i in range(7)]
@@ -125,6 +126,7 @@ class PrefillGraphs:
 
     def _fill_padding(self) -> None:
         """Every row padding, every sequence empty: what a warm-up or capture may run without touching the pool."""
+        self._fence.wait()
         pos, slot, starts, ctx, samp, _bt, tiles = self._np
         pos[:] = 0
         slot[:] = -1
@@ -133,6 +135,7 @@ class PrefillGraphs:
         samp[:] = 0
         tiles.reshape(-1, 2)[:] = (-1, 0)
         self._dev.copy_(self._host, non_blocking=self.cuda)
+        self._fence.mark()
 
     def capture(self, side, bucket: int, layers: range, greedy: bool) -> object:
         """Capture (once) the launch body for ``bucket`` tokens over ``layers`` on ``side``'s stream (the
@@ -175,6 +178,7 @@ class PrefillGraphs:
         g = self.graphs[self.key(side, bucket, layers, greedy)]
         T = sum(c.num_tokens for c in chunks)
         n = len(chunks)
+        self._fence.wait()
         pos, slot, starts, ctx, samp, bt, tiles = self._np
         fill_rows(chunks, self.block_size, pos, slot, starts, ctx, samp, bt.reshape(self.max_seqs, -1))
         pos[T:bucket] = 0
@@ -188,6 +192,7 @@ class PrefillGraphs:
         t = tile_table(q_lens, ctx_lens, 0, self.bq, self._num_tiles(bucket))
         tiles[:t.size] = t.ravel()
         self._dev.copy_(self._host, non_blocking=self.cuda)
+        self._fence.mark()
         if layers.start == 0:
             self.ids[:T].copy_(x)
         elif x.data_ptr() != self.hidden_in.data_ptr():

@@ -8,7 +8,7 @@ come back (``on_result``), so the same code drives the simulator and the GPU.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 
 import numpy as np
@@ -18,7 +18,7 @@ from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..metrics import TokenGaps
 from ..perfmodel import LatencyModel, Work
-from ..perfmodel.base import new_work, note_work, step_ends
+from ..perfmodel.base import batch_work, new_work, note_work, step_ends
 from ..request import Request
 
 
@@ -58,6 +58,11 @@ class Scheduler:
         self.gaps: TokenGaps | None = None
         self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
         self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
+        # async scheduling (plan_ahead): launches applied at launch, their results recorded when they return
+        self.ahead = False
+        self._outstanding: dict[Lane, deque[tuple[Batch, list[Request], list[int]]]] = {}
+        self.pinned: Counter[int] = Counter()  # ahead: request id -> launches in flight that hold it
+        self._ended: dict[int, bool] = {}  # ahead: ended (EOS) while a launch in flight held it -> KV still held
 
     def keep_token_times(self, keep: bool) -> None:
         """Record each output token's time on its request (the default; streaming needs it), or, with
@@ -93,7 +98,130 @@ class Scheduler:
             self._new_hits = 0
         self.inflight[lane] = (batch, reqs)
         self.busy.update([r.id for r in reqs])
+        if self.ahead:
+            self._apply_planned(lane, batch, reqs)
         return batch
+
+    # ---- async scheduling: plan launch N+1 while N runs ---------------------------------------------
+    # With ``plan_ahead()`` a launch changes its requests' state when it is made, as if it had completed
+    # (positions computed, outputs counted, prefix-cache blocks committed; a request that reaches
+    # max_new_tokens leaves ``running`` and frees its seat and KV), so the next launch on the lane can be planned
+    # and queued behind it while it runs; its results (token ids and times) are recorded when it returns. A
+    # lane's launches run in order on one stream, so a queued launch reads what the one before it wrote, and
+    # blocks freed by one are written only by launches after it; lanes run side by side, so only single-lane
+    # policies plan ahead. A request stays ``pinned`` (never preempted or aborted) while a launch in flight
+    # holds it (the blocks a request's last launch fills with generated tokens are not prefix-cached: their ids
+    # come back after its KV was freed). What a result can still change: an end-of-sequence token ends its request early; a later
+    # launch already queued with it runs on, its tokens for it are dropped, and the request's KV is freed
+    # when no launch in flight holds it any more.
+    def plan_ahead(self) -> None:
+        """Switch to async scheduling (before the first request is added; ``SchedulerConfig`` allows it for
+        single-lane policies only)."""
+        assert self.lanes == ("all",), self.lanes
+        self.ahead = True
+        self._outstanding = {lane: deque() for lane in self.lanes}
+
+    def predicted_end(self, batch: Batch, start: float) -> float:
+        """When ``batch`` would end if it started at ``start`` alone on its partition (where a queued launch
+        after it is planned from)."""
+        work = batch_work(self.latency, batch, self.model.num_layers)
+        sms = batch.partition.num_sms
+        if batch.steps > 1:
+            return start + float(step_ends(self.latency, work, batch.steps, sms)[-1])
+        return start + float(self.latency.predict(work, sms))
+
+    def holds(self, req_id: int) -> bool:
+        """A launch in flight holds request ``req_id``: it cannot be dropped now."""
+        return req_id in self.pinned if self.ahead else req_id in self.busy
+
+    def hold_back(self, req_id: int) -> None:
+        """Plan no further launch for ``req_id`` (an abort waits for the launches that hold it). Without async
+        scheduling a request in flight is never planned again before its launch returns anyway."""
+        if self.ahead:
+            self.busy.add(req_id)
+
+    def _apply_planned(self, lane: Lane, batch: Batch, reqs: list[Request]) -> None:
+        if batch.layers.stop != self.model.num_layers:
+            raise SchedulingError("async scheduling does not plan layer slices")
+        steps, caching, bs = batch.steps, self.kv.prefix_caching, self.kv.block_size
+        busy, pinned = self.busy, self.pinned
+        outs = []  # each request's planned output count after this launch
+        for c, r in zip(batch.chunks, reqs):
+            r.num_computed = c.start + c.num_tokens + steps - 1
+            pinned[r.id] += 1
+            if caching and r.num_computed // bs != c.start // bs and (r.prompt_ids is not None
+                                                                      or r.hash_ids is not None):
+                self.kv.commit(r, r.num_computed)  # (blocks of generated tokens: when their ids come back)
+            busy.discard(r.id)  # plannable again
+            if not c.sample:
+                self.partial[r.id] = r
+            else:
+                self.partial.pop(r.id, None)
+                r.num_output += steps
+                if r.num_output >= r.max_new_tokens:  # its last launch: seat and KV go to the launches after it
+                    self._release(r)
+            outs.append(r.num_output)
+        self._outstanding[lane].append((batch, reqs, outs))
+
+    def _record(self, res: StepResult) -> list[Request]:
+        """``on_result`` under async scheduling: the launch's state was applied when it was made; record its
+        tokens and times, and end the requests it finished (by length, or by an end-of-sequence token)."""
+        lane = res.batch.partition.lane
+        batch, reqs, outs = self._outstanding[lane].popleft()
+        if batch is not res.batch:
+            raise SchedulingError(f"lane {lane!r}: a result came back out of launch order")
+        if self.inflight[lane][0] is batch:  # (the lane's newest launch; a queued one may be newer)
+            del self.inflight[lane]
+        steps, tokens = batch.steps, res.tokens
+        caching = self.kv.prefix_caching
+        ends = [res.end] if steps == 1 else list(res.step_ends)
+        done: list[Request] = []
+        pinned, ended, gaps, rank = self.pinned, self._ended, self.gaps, self.rank
+        for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
+            pinned[r.id] -= 1
+            if not pinned[r.id]:
+                del pinned[r.id]
+            if r.id in ended:  # ended by an earlier launch's EOS: this one's tokens for it are dropped
+                if r.id not in pinned and ended.pop(r.id):  # the last launch holding it: its KV goes now
+                    self.kv.free(r.id)
+                continue
+            if not c.sample:
+                continue
+            n_new, eos = steps, False
+            if tokens is not None:
+                new = tokens[:, j].tolist()
+                if not r.sampling.ignore_eos and self.eos_token_id in new:
+                    n_new = new.index(self.eos_token_id) + 1
+                    eos = True
+                    del new[n_new:]
+                r.output_ids.extend(new)
+                if caching and r.prompt_ids is not None and r.id in rank:
+                    self.kv.commit(r, c.start + c.num_tokens + n_new - 1)
+            mine = ends if n_new == steps else ends[:n_new]
+            if gaps is None:
+                r.token_times.extend(mine)
+            else:
+                if r.last_token_time is not None:
+                    gaps.add(mine[0] - r.last_token_time, 1)
+                if n_new > 1:
+                    gaps.add_steps(np.asarray(mine), 1)
+            if r.first_token_time is None:
+                r.first_token_time = mine[0]
+            r.last_token_time = mine[-1]
+            if eos or outs[j] >= r.max_new_tokens:
+                r.num_output = outs[j] - (steps - n_new)  # what it really produced
+                r.num_computed = c.start + c.num_tokens + n_new - 1
+                r.finish_time = mine[-1]
+                self.busy.discard(r.id)  # (held back for an abort, or planned to its last token)
+                if r.id in pinned:  # a later launch in flight holds it: its tokens are dropped, its KV kept till then
+                    ended[r.id] = r.id in rank  # (False: that launch was its last, which released it already)
+                    if r.id in rank:
+                        self.running.remove(r)
+                        del rank[r.id]
+                elif r.id in rank:  # ended by EOS before the launch that would have been its last
+                    self._release(r)
+                done.append(r)
+        return done
 
     # ---- KV, priority and preemption ----------------------------------------------------------------
     # Priority is admission order: a request's rank is fixed when it is first admitted, and ``running`` is
@@ -121,7 +249,7 @@ class Scheduler:
             for v in reversed(self.running):
                 if rank[v.id] <= mine:
                     break
-                if v.id not in busy and not v.num_preemptions:
+                if v.id not in busy and not v.num_preemptions and v.id not in self.pinned:
                     victims.append(v)
             if need > kv.num_free + kv.freeable([v.id for v in victims]):
                 return False
@@ -375,6 +503,8 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------------
     def on_result(self, res: StepResult) -> list[Request]:
         """Apply a finished launch; returns the requests it finished."""
+        if self.ahead:
+            return self._record(res)
         batch, reqs = self.inflight.pop(res.batch.partition.lane)
         if batch.layers.stop != self.model.num_layers:
             self._slice_done(batch, reqs)
@@ -479,8 +609,9 @@ class Scheduler:
         Returns it, or None if the scheduler does not hold it. A request inside a launch in flight (``busy``,
         a layer-sliced prefill under way included) cannot be dropped: SchedulingError; the engine retries
         when that launch returns."""
-        if req_id in self.busy:
+        if self.holds(req_id):
             raise SchedulingError(f"request {req_id} is inside a launch in flight")
+        self.busy.discard(req_id)  # (async scheduling: held back from planning while it was in flight)
         for r in self.running:
             if r.id == req_id:
                 self.partial.pop(req_id, None)
@@ -497,9 +628,15 @@ class Scheduler:
 
     def _finish(self, r: Request, now: float) -> None:
         r.finish_time = now
+        self._release(r)
+
+    def _release(self, r: Request) -> None:
+        """``r`` leaves: its KV freed (full blocks stay in the prefix cache), its seat and rank given up."""
         self.kv.free(r.id)
         self.running.remove(r)
         del self.rank[r.id]
+        self.busy.discard(r.id)
+        self.partial.pop(r.id, None)
 
 
 class LayerSliced(Scheduler):

@@ -1,0 +1,141 @@
+"""Async scheduling (``SchedulerConfig.async_scheduling``): a lane's next launch is planned shortly before the one
+in flight ends and queued behind it, so the engine's host time between launches is hidden. On the simulator
+without host time it must change nothing; with host time, launches that follow one another without an
+arrival in between start back to back; an end-of-sequence token drops the tokens of a launch already queued.
+Exactly-once, aborts, streaming, EOS and KV pressure under async run in tests/test_engine.py,
+tests/test_preemption.py and tests/test_gpu_executor.py (their "+async" and ``async_scheduling`` cases)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from bullet.cli import app
+from bullet.config import GPUS, MODELS, ConfigError, SchedulerConfig
+from bullet.engine import AHEAD_LEAD_S, serve
+from bullet.kvcache import BlockManager
+from bullet.policies import make_scheduler
+from bullet.request import Request, SamplingParams
+from simulator import simulate
+from simulator.executor import SimExecutor
+from tests.latency import LinearLatency
+
+MODEL = MODELS["llama-3.1-8b"]
+GPU = GPUS["h200"]
+L = MODEL.num_layers
+
+
+def poisson(n, rate, seed):
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    return [Request(i, float(t[i]), int(rng.integers(16, 2000)), int(rng.integers(1, 300))) for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["chunked", "prefill-first"])
+def test_without_host_time_async_changes_nothing(policy):
+    """With no host gap a launch planned ahead sees what the launch planned at its predecessor's end would
+    (no arrival came between: otherwise it is planned at that end, as without async), and the requests its
+    predecessor finishes have given up their seats and KV already: every request's times and outputs equal
+    the synchronous engine's."""
+    reqs = poisson(300, 25.0, seed=3)
+    runs = [simulate(reqs, MODEL, GPU, SchedulerConfig(policy=policy, async_scheduling=a), token_times=True,
+                     host_gap=(0.0, 0.0)) for a in (False, True)]
+    key = [sorted((r.id, r.first_token_time, r.finish_time, r.num_output, tuple(r.token_times))
+                  for r in run.requests) for run in runs]
+    assert key[0] == key[1]
+    assert runs[0].summary["launches"] == runs[1].summary["launches"]
+
+
+def test_back_to_back_launches_skip_the_host_gap():
+    """One request, one decode step a launch, a host gap of 1 ms: the synchronous engine starts each launch 1
+    ms after the one before it ends, async only the first (its lane was idle): each token after the first
+    comes exactly 1 ms sooner per launch, and the launch durations are the same."""
+    gap = 1e-3
+    out = {}
+    for ahead in (False, True):
+        lat = LinearLatency(L)
+        kv = BlockManager(1000, 16)
+        sched = make_scheduler(SchedulerConfig(policy="chunked", max_decode_steps=1, async_scheduling=ahead),
+                               MODEL, GPU, kv, lat)
+        steps = []
+        (req,) = serve([Request(0, 0.0, 500, 6)], sched, SimExecutor(lat, L, GPU, (gap, 0.0)),
+                       on_step=steps.append)
+        out[ahead] = (req.token_times, [(s.start, s.end) for s in steps])
+    (sync_t, sync_s), (async_t, async_s) = out[False], out[True]
+    assert len(sync_s) == len(async_s) == 6
+    assert async_s[0] == sync_s[0] and async_s[0][0] == pytest.approx(gap)  # the first launch pays the gap
+    for k in range(1, 6):
+        assert sync_s[k][0] == pytest.approx(sync_s[k - 1][1] + gap)
+        assert async_s[k][0] == pytest.approx(async_s[k - 1][1])  # back to back
+        assert async_s[k][1] - async_s[k][0] == pytest.approx(sync_s[k][1] - sync_s[k][0])
+        assert async_t[k] == pytest.approx(sync_t[k] - k * gap)
+
+
+def test_a_known_arrival_before_the_end_is_planned_in():
+    """Trace replay knows the next arrival: a launch that would be planned ahead of it is planned when its
+    predecessor returns instead, with the new request in it (async scheduling never makes a known arrival wait
+    an extra launch; a live server, which cannot know, plans AHEAD_LEAD_S before the end)."""
+    lat = LinearLatency(L)
+    kv = BlockManager(1000, 16)
+    sched = make_scheduler(SchedulerConfig(policy="chunked", max_decode_steps=1, async_scheduling=True),
+                           MODEL, GPU, kv, lat)
+    a, b = Request(0, 0.0, 400, 40), Request(1, 0.05, 100, 3)
+    steps = []
+    serve([a, b], sched, SimExecutor(lat, L, GPU), on_step=steps.append)
+    first_with_b = next(s for s in steps if any(c.req_id == 1 for c in s.batch.chunks))
+    before = [s for s in steps if s.end <= b.arrival]
+    assert first_with_b.start == pytest.approx(min(s.end for s in steps if s.end > b.arrival - 1e-12))
+    assert before and first_with_b.start - b.arrival < 2 * AHEAD_LEAD_S + (before[-1].end - before[-1].start)
+
+
+torch = pytest.importorskip("torch")
+TINY = MODELS["tiny-llama"]
+
+
+def test_eos_drops_the_tokens_of_a_launch_already_queued():
+    """Real executor, tiny model on the CPU, one decode step a launch: a request whose end-of-sequence token
+    comes back while its next launch is already queued ends at that token (the synchronous run's output), that
+    launch's token for it is dropped, and its KV is freed when that launch returns."""
+    from bullet.gpu.executor import GpuExecutor
+    from bullet.gpu.weights import load_weights
+
+    weights = load_weights(TINY, "dummy", "cpu", torch.float32, seed=5)
+
+    def run(ahead, eos):
+        rng = np.random.default_rng(7)
+        reqs = [Request(i, 0.0, int(n), 12, prompt_ids=tuple(int(x) for x in rng.integers(0, TINY.vocab_size, n)),
+                        sampling=SamplingParams(ignore_eos=False))  # (a benchmark request ignores EOS)
+                for i, n in enumerate(rng.integers(3, 24, 5))]
+        kv = BlockManager(128, 4)
+        # launches predicted to take no time: the next one is planned ahead (and queued) as soon as one is made
+        sched = make_scheduler(SchedulerConfig(policy="chunked", max_batched_tokens=32, max_decode_steps=1,
+                                               async_scheduling=ahead), TINY, GPU, kv,
+                               LinearLatency(TINY.num_layers, base=0.0, per_token=0.0, per_kv=0.0),
+                               eos_token_id=eos)
+        ex = GpuExecutor(TINY, "dummy", "cpu", block_size=4, num_blocks=128, seed=5, weights=weights)
+        steps = []
+        done = serve(reqs, sched, ex, on_step=steps.append)
+        ex.close()
+        assert kv.num_free == kv.num_blocks and not ex._reqs
+        return {r.id: r for r in done}, steps
+
+    full, _ = run(False, None)
+    eos = full[0].output_ids[2]  # request 0 ends at its third token (or earlier, where that id comes first)
+    ref, _ = run(False, eos)
+    got, steps = run(True, eos)
+    for rid, r in ref.items():
+        assert got[rid].output_ids == r.output_ids and got[rid].num_output == r.num_output
+        assert len(got[rid].token_times) == r.num_output
+    ended = {rid: r.finish_time for rid, r in got.items() if r.output_ids[-1] == eos}
+    assert 0 in ended
+    late = [s for s in steps for c in s.batch.chunks if c.req_id in ended and s.start >= ended[c.req_id]]
+    assert late  # a launch queued before the EOS came back still ran the request (its token dropped)
+
+
+def test_split_policies_refuse_async_scheduling():
+    for policy in ("static-split", "naive-concurrent", "bullet"):
+        with pytest.raises(ConfigError, match=f"not {policy}"):
+            SchedulerConfig(policy=policy, async_scheduling=True)
+    res = CliRunner().invoke(app, ["simulate", "--policy", "bullet", "--async-scheduling", "--num-prompts", "5"])
+    assert res.exit_code == 2 and "single-lane policies" in res.output and "Traceback" not in res.output
