@@ -77,7 +77,7 @@ def server_means(before: dict, after: dict) -> dict[str, float]:
 def launch_summary(path: Path, policy: str, host_gap: tuple[float, float] | None = None) -> str:
     """The server's --launch-log, summed per launch kind (lane/kind, alone or beside the other lane for most of
     its time): launches, predicted and measured seconds; and each lane's gaps between back-to-back launches
-    (`bullet.validate.BACK_TO_BACK`) against the simulator's ``host_gap`` (a, b: a + b x requests)."""
+    (`bullet.validate.back_to_back`) against the simulator's ``host_gap`` (a, b: a + b x requests)."""
     import csv
 
     from bullet.validate import back_to_back

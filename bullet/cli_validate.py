@@ -74,8 +74,10 @@ def validate(
     save_scaled: Annotated[Path | None, typer.Option(
         help="Write the fitted latency model scaled by the launch speed measured over all runs (this card's "
              "measured / predicted launch time, with prompt rows and decode-only) to this JSON file: a model of "
-             "this card, for --latency PATH in every command. Measured on the H200 it helps single-lane "
-             "policies (chunked) most; co-run contention is not a scale (bench/RESULTS.md).")] = None,
+             "this card, for --latency PATH in every command, with the engine's host time between a lane's "
+             "back-to-back launches as these runs paid it (serving_gap: the simulator's host gap). Measured on the "
+             "H200 it helps single-lane policies (chunked) most; co-run contention is not a scale "
+             "(bench/RESULTS.md).")] = None,
     out: Annotated[Path | None, typer.Option(help="Folder for report.json, cdf.png and launches.csv (every "
                                                    "real launch: its work, the fraction the other lane "
                                                    "overlapped, measured and predicted ms).")]
@@ -216,18 +218,27 @@ def _save_scaled(path: Path, lat, reports, policy: str, card: str, console: Cons
     import datetime as dt
 
     from .metrics import atomic_write
-    from .validate import launch_speed
+    from .validate import launch_speed, serving_gap
 
     rows = [r for *_, rep in reports for r in rep.launch_rows]
     a, b = launch_speed(rows)
     runs = [f"{Path(tr).stem}@{rt:g}" if rt is not None else Path(tr).stem for tr, rt, _ in reports]
-    scaled = lat.scaled(a, b, card=card, policy=policy, runs=runs, launches=len(rows),
-                        measured=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    note = {"card": card, "policy": policy, "runs": runs,
+            "measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    scaled = lat.scaled(a, b, **note, launches=len(rows))
+    data = dict(scaled.data)
+    try:  # the engine's host time between launches as serving paid it (the simulator's host gap from now on)
+        data["serving_gap"] = {**serving_gap([rep.launch_rows for *_, rep in reports]), **note}
+    except ValueError:  # no back-to-back launches: the profile's gap stays
+        data.pop("serving_gap", None)
+    gap = type(lat)(data, lat.host, str(path)).host_gap  # (validated as it will be read)
     with atomic_write(path) as f:
-        json.dump(scaled.data, f, indent=1)
+        json.dump(data, f, indent=1)
         f.write("\n")
+    gap_note = "" if "serving_gap" not in data else \
+        f"; host gap {gap[0] * 1e3:.3f} ms + {gap[1] * 1e6:.1f} us a request, from {data['serving_gap']['gaps']} gaps"
     console.print(f"wrote {path}: {scaled.name} (launches with prompt rows x{a:.3f}, decode-only x{b:.3f} of "
-                  f"the model, {len(rows)} launches on {card})")
+                  f"the model, {len(rows)} launches on {card}{gap_note})")
 
 
 def parse_list(text: str, kind, flag: str) -> list:

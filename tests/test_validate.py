@@ -215,8 +215,8 @@ def test_launch_errors_read_a_partial_overlap_as_the_fit_does():
 
 
 def test_launch_errors_put_the_models_host_gap_against_back_to_back_launches():
-    """Decode launches of 2 requests ending at 1.000 s and restarting 1.0004 s, then 2.0004 -> 2.0010 s (0.4 and
-    0.6 ms gaps); one restarting 6 ms after an end is waiting for work, not a gap. With host_gap 0.3 ms + 0.05 ms
+    """Launches of 2 requests on the whole GPU ending at 1.000 s and restarting 1.0004 s, then 2.0004 -> 2.0010 s
+    (0.4 and 0.6 ms gaps); one restarting 6 ms after an end is waiting for an arrival, not a gap. With host_gap 0.3 ms + 0.05 ms
     a request the model says 0.4 ms each: errors 0 % and -33.3 %, 0.8 against 1.0 ms summed (-20 %)."""
     from bullet.batch import Batch, Chunk, Partition, StepResult
     from bullet.validate import HOST_GAP_KIND, launch_errors, launch_of
@@ -231,7 +231,7 @@ def test_launch_errors_put_the_models_host_gap_against_back_to_back_launches():
             return np.full(steps, 1.0)
 
     L = SPEC.num_layers
-    dec = Batch(Partition("decode", 40), range(L), (Chunk(1, 99, 1, (0,), True), Chunk(2, 50, 1, (1,), True)))
+    dec = Batch(Partition("all", 132), range(L), (Chunk(1, 99, 1, (0,), True), Chunk(2, 50, 1, (1,), True)))
     spans = [(0.0, 1.0), (1.0004, 2.0004), (2.0010, 3.0010), (3.0070, 4.0070)]
     launches = [launch_of(StepResult(dec, a, b, [b], None), L) for a, b in spans]
     gap = {k["kind"]: k for k in launch_errors(launches, Gapped(), L)}[HOST_GAP_KIND]
@@ -326,6 +326,14 @@ def test_save_scaled_writes_the_model_at_the_runs_launch_speed(tmp_path):
     assert saved["scale"]["prefill"] == pytest.approx(sums[True][0] / sums[True][1], rel=1e-9)
     assert saved["scale"]["decode"] == pytest.approx(sums[False][0] / sums[False][1], rel=1e-9)
     assert saved["scale"]["launches"] == len(rows) and saved["scale"]["policy"] == "chunked"
+    # the serving gap: the launches' own back-to-back gaps, fitted (bullet.validate.serving_gap), read back as the
+    # model's host gap
+    from bullet.validate import serving_gap
+
+    expected = serving_gap([rows])
+    assert {k: saved["serving_gap"][k] for k in expected} == pytest.approx(expected, rel=1e-9)
+    assert saved["serving_gap"]["policy"] == "chunked" and saved["serving_gap"]["runs"] == saved["scale"]["runs"]
+    assert FittedModel.load(out, tiny).host_gap == (expected["fixed_s"], expected["per_request_s"])
     before, after = FittedModel.load(model, tiny), FittedModel.load(out, tiny)
     dec = Work(2, 4, 4, 400.0, 400, 4, True, 100)
     assert after.predict(dec, 132) == pytest.approx(saved["scale"]["decode"] * before.predict(dec, 132))

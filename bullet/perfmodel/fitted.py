@@ -370,15 +370,18 @@ class GraphLimits(NamedTuple):
         return work._replace(tokens=next(b for b in self.buckets if b >= work.tokens))
 
 
-def host_gap_of(entry: dict | None) -> tuple[float, float] | None:
-    """(seconds, seconds per request) of a model's ``host_gap`` entry (``bullet fit`` from ``gaps.csv``): the
-    engine's host time between a launch's end and the next launch's start; None where the model has none."""
+def host_gap_of(entry: dict | None, field: str = "host_gap") -> tuple[float, float] | None:
+    """(seconds, seconds per request) of a model's ``host_gap`` entry (``bullet fit`` from ``gaps.csv``) or
+    ``serving_gap`` entry (``bullet validate --save-scaled``, from serving's launches): the engine's host time
+    between a launch's end and the next launch's start; None where the model has none."""
     if entry is None:
         return None
-    a, b = float(entry["fixed_s"]), float(entry["per_request_s"])
-    if not (0 <= a < 1 and 0 <= b < 1):
-        raise ValueError(f"host_gap: fixed_s {a} and per_request_s {b} must be seconds in [0, 1)")
-    return a, b
+    if not isinstance(entry, dict):
+        raise TypeError(f"{field}: not an object")
+    a, b = entry.get("fixed_s"), entry.get("per_request_s")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1 for v in (a, b)):
+        raise ValueError(f"{field}: fixed_s {a!r} and per_request_s {b!r} must be seconds in [0, 1)")
+    return float(a), float(b)
 
 
 def scale_of(scale: dict | None) -> tuple[float, float]:
@@ -419,7 +422,11 @@ class FittedModel:
             fam = data["families"]
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
             self.graphs = GraphLimits.of(data.get("prefill_graphs"))
-            self.host_gap = host_gap_of(data.get("host_gap"))
+            # the engine's host time between launches: serving's (measured by bullet validate) where the file
+            # has it, else the profile's (bullet fit, gaps.csv)
+            self.profile_gap = host_gap_of(data.get("host_gap"))
+            self.serving_gap = host_gap_of(data.get("serving_gap"), "serving_gap")
+            self.host_gap = self.serving_gap or self.profile_gap
             self.scale = scale_of(data.get("scale"))
             for names, k in (("eager",), self.scale[0]), (("decode_first", "decode_step"), self.scale[1]):
                 for name in names:  # a card's speed: the GPU-time families times its factor (host time as is)
