@@ -42,6 +42,9 @@ def spans(rows):
 def test_back_to_back_counts_the_engines_gaps_not_waits_for_work():
     got = sorted((round(g * 1e3, 6), n) for g, n in back_to_back(spans(CHUNKED)))
     assert got == [(0.5, 4), (0.8, 8)]
+    # async scheduling: a launch queued behind the one before starts 10 us after it: no host time between them
+    queued = CHUNKED + [row(136.31, "all", 1, 5.0)]
+    assert sorted((round(g * 1e3, 6), n) for g, n in back_to_back(spans(queued))) == [(0.5, 4), (0.8, 8)]
     got = sorted((round(g * 1e3, 6), n) for g, n in back_to_back(spans(SPLIT)))
     assert got == [(0.6, 2), (0.7, 2), (8.0, 2)]
 
