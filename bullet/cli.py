@@ -747,7 +747,9 @@ def print_summary(s: dict, console: Console) -> None:
                                              s["latency_model"]))
     gap = s.get("config", {}).get("host_gap_s")
     if gap and any(gap):
-        tput.add_row("host time before each launch", f"{gap[0] * 1e3:.2f} ms + {gap[1] * 1e6:.1f} us a request")
+        ahead = s.get("launches_planned_ahead")
+        tput.add_row("host time before each launch", f"{gap[0] * 1e3:.2f} ms + {gap[1] * 1e6:.1f} us a request" + (
+            f" (hidden for {100 * ahead / max(s['launches'], 1):.0f} %: async scheduling)" if ahead is not None else ""))
     if s.get("prefix_caching"):
         tput.add_row("prefix cache hit rate",
                      f"{100 * s['prefix_cache_hit_rate']:.1f} % ({s['prefix_cache_hit_tokens']:,} of "

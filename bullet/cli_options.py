@@ -94,8 +94,8 @@ OverloadDeferralOpt = Annotated[bool, typer.Option(
 AsyncSchedulingOpt = Annotated[bool, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Plan each launch while the one before it runs on the GPU (as vLLM's --async-scheduling and SGLang's "
-         "overlap scheduler do): the engine's host time between launches is hidden; a request that arrives in "
-         "the last 2 ms of a launch joins one launch later. chunked and prefill-first only.",
+         "overlap scheduler do): the engine's host time between launches is hidden; live, a request that "
+         "arrives in a launch's last 2 ms (or tenth) joins one launch later. chunked and prefill-first only.",
     rich_help_panel=POLICY)]
 DecodeSizesOpt = Annotated[str | None, typer.Option(
     help="bullet: comma-separated decode partition sizes it may use. [default: the whole menu]",

@@ -15,11 +15,11 @@ Rules that hold for both:
 - every request added ends exactly once: one :class:`Update` with ``finished`` set.
 
 ``SchedulerConfig.async_scheduling`` (single-lane policies): shortly before a lane's launch N is predicted to end
-(:data:`AHEAD_LEAD_S`), launch N+1 is planned from N's expected outcome and queued behind it
+(:func:`ahead_lead`), launch N+1 is planned from N's expected outcome and queued behind it
 (``Scheduler.plan_ahead``), so the host's time between launches (reading tokens back, the policy, preparing
 inputs) runs while the GPU works; N's tokens reach the requests before N+2 is planned. A request that arrives
 in that lead joins at N+2. Where the next arrival is known (trace replay) and comes before N's end, N+1 is
-planned when N returns, as without async scheduling: the arrival is then in it.
+planned when it has come (with it), or when N returns.
 """
 
 from __future__ import annotations
@@ -32,7 +32,16 @@ from .policies.base import Scheduler, SchedulingError
 from .request import Request
 
 ABORTED = "aborted"
-AHEAD_LEAD_S = 0.002  # async scheduling: plan a lane's next launch this long before its launch in flight ends
+AHEAD_LEAD_S, AHEAD_LEAD_FRAC = 0.002, 0.1  # async scheduling: see ahead_lead
+
+
+def ahead_lead(duration: float) -> float:
+    """How long before a launch's predicted end the next one on its lane is planned: the host's time for it (2
+    ms covers the H200's 0.3-1 ms) or, for longer launches, a tenth of the launch, since a launch may end that
+    much sooner than predicted (the H200 ran the shipped model's launches at 0.93-1.02x, bench/RESULTS.md) and
+    its lane would then idle through the host time after all. The price, live: a request that arrives in the
+    lead joins one launch later (trace replay knows its arrivals and plans around them)."""
+    return max(AHEAD_LEAD_S, AHEAD_LEAD_FRAC * duration)
 _AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 
 
@@ -86,7 +95,7 @@ class Engine:
         self.ahead = scheduler.cfg.async_scheduling
         if self.ahead:
             scheduler.plan_ahead()
-        self._ends: dict[str, float] = {}  # async: each lane's newest launch's predicted end
+        self._ends: dict[str, tuple[float, float]] = {}  # async: each lane's newest launch's predicted start, end
         self.stream = stream
         self.live_window = live_window
         self._no_first: dict[int, Request] | None = {} if "all" in scheduler.lanes else None
@@ -196,6 +205,9 @@ class Engine:
         for res in ex.wait(wake):
             if self.on_step is not None:
                 self.on_step(res)
+            if self.ahead and ex.busy(lane := res.batch.partition.lane):  # the launch queued behind it started
+                start, end = self._ends[lane]  # at its end: re-anchor its predicted span there
+                self._ends[lane] = res.end, res.end + (end - start)
             done = sched.on_result(res)
             if self.stream:
                 self._report(res, done)
@@ -229,18 +241,19 @@ class Engine:
                     if self.on_launch is not None:
                         self.on_launch(batch)
                     if self.ahead:
-                        self._ends[lane] = sched.predicted_end(batch, now)
+                        self._ends[lane] = now, sched.predicted_end(batch, now)
             if self.ahead:
                 due = self._ahead_due(lane, plan_to)
                 if due is not None and now >= due:  # plan N+1 from N's expected end, queued behind N
-                    start = max(now, self._ends[lane])
+                    start = max(now, self._ends[lane][1])
                     batch = sched.schedule(lane, start, plan_to if self.live_window is None else
                                            self._horizon(start))
                     if batch is not None:
                         ex.launch(batch)
+                        sched.planned_ahead += 1
                         if self.on_launch is not None:
                             self.on_launch(batch)
-                        self._ends[lane] = sched.predicted_end(batch, start)
+                        self._ends[lane] = start, sched.predicted_end(batch, start)
         if sched.rejected:  # admission control turned these away (Request.error says why)
             for req in sched.rejected:
                 self.held.pop(req.id, None)
@@ -255,10 +268,10 @@ class Engine:
         ex = self.executor
         if not ex.busy(lane) or ex.queued(lane):
             return None
-        end = self._ends.get(lane)
-        if end is None or (self.live_window is None and plan_to is not None and plan_to <= end):
+        span = self._ends.get(lane)
+        if span is None or (self.live_window is None and plan_to is not None and plan_to <= span[1]):
             return None
-        return end - AHEAD_LEAD_S
+        return span[1] - ahead_lead(span[1] - span[0])
 
     def _report(self, res: StepResult, done: list[Request]) -> None:
         """Stream mode: an update with the new tokens of every request that sampled in ``res``; a request

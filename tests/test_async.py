@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from bullet.cli import app
 from bullet.config import GPUS, MODELS, ConfigError, SchedulerConfig
-from bullet.engine import AHEAD_LEAD_S, serve
+from bullet.engine import AHEAD_LEAD_S, ahead_lead, serve
 from bullet.kvcache import BlockManager
 from bullet.policies import make_scheduler
 from bullet.request import Request, SamplingParams
@@ -72,21 +72,29 @@ def test_back_to_back_launches_skip_the_host_gap():
         assert async_t[k] == pytest.approx(sync_t[k] - k * gap)
 
 
-def test_a_known_arrival_before_the_end_is_planned_in():
-    """Trace replay knows the next arrival: a launch that would be planned ahead of it is planned when its
-    predecessor returns instead, with the new request in it (async scheduling never makes a known arrival wait
-    an extra launch; a live server, which cannot know, plans AHEAD_LEAD_S before the end)."""
-    lat = LinearLatency(L)
-    kv = BlockManager(1000, 16)
-    sched = make_scheduler(SchedulerConfig(policy="chunked", max_decode_steps=1, async_scheduling=True),
-                           MODEL, GPU, kv, lat)
-    a, b = Request(0, 0.0, 400, 40), Request(1, 0.05, 100, 3)
-    steps = []
-    serve([a, b], sched, SimExecutor(lat, L, GPU), on_step=steps.append)
-    first_with_b = next(s for s in steps if any(c.req_id == 1 for c in s.batch.chunks))
-    before = [s for s in steps if s.end <= b.arrival]
-    assert first_with_b.start == pytest.approx(min(s.end for s in steps if s.end > b.arrival - 1e-12))
-    assert before and first_with_b.start - b.arrival < 2 * AHEAD_LEAD_S + (before[-1].end - before[-1].start)
+def test_an_arrival_during_a_launch_is_in_the_next_one_queued_without_a_gap():
+    """Trace replay knows the next arrival: while it is due before the launch in flight ends, nothing is planned
+    ahead; once it has come, the next launch is planned with it and queued. So the arrival is in the launch right
+    after the one it came during (as without async), and that launch starts at its predecessor's end, without
+    the 1 ms host gap the synchronous engine pays there."""
+    out = {}
+    for ahead in (False, True):
+        lat = LinearLatency(L)
+        sched = make_scheduler(SchedulerConfig(policy="chunked", max_decode_steps=1, async_scheduling=ahead),
+                               MODEL, GPU, BlockManager(1000, 16), lat)
+        a, b = Request(0, 0.0, 400, 40), Request(1, 0.05, 100, 3)
+        steps = []
+        serve([a, b], sched, SimExecutor(lat, L, GPU, (1e-3, 0.0)), on_step=steps.append)
+        first_with_b = next(s for s in steps if any(c.req_id == 1 for c in s.batch.chunks))
+        before = steps[steps.index(first_with_b) - 1]
+        out[ahead] = first_with_b.start - before.end
+    assert out[False] == pytest.approx(1e-3) and out[True] == 0.0
+    assert before.start <= b.arrival < before.end  # async: no gaps, so it came during that launch
+
+
+def test_the_lead_covers_the_host_and_a_launch_ending_early():
+    assert ahead_lead(0.005) == AHEAD_LEAD_S == 0.002  # a short launch: the host's time
+    assert ahead_lead(0.08) == pytest.approx(0.008)  # a tenth of a long one
 
 
 torch = pytest.importorskip("torch")

@@ -201,7 +201,9 @@ def test_fifty_concurrent_streams_get_exactly_their_tokens(live, weights):
 
 
 @pytest.mark.parametrize("policy,extra", [("prefill-first", {}), ("static-split", {"layers_per_step": 1}),
-                                          ("naive-concurrent", {}), ("bullet", {"layers_per_step": 1})])
+                                          ("naive-concurrent", {}), ("bullet", {"layers_per_step": 1}),
+                                          ("chunked", {"async_scheduling": True}),
+                                          ("prefill-first", {"async_scheduling": True})])
 def test_every_policy_serves_concurrent_streams_exactly(weights, policy, extra):
     s = Live(sched=SchedulerConfig(policy=policy, max_num_seqs=8, max_decode_steps=8, **extra))
     try:
@@ -214,7 +216,28 @@ def test_every_policy_serves_concurrent_streams_exactly(weights, policy, extra):
         s.idle()
         assert s.kv.num_free == s.kv.num_blocks
         lanes = {dict(lab)["lane"] for name, lab in s.metrics() if name == "bullet:lane_sms"}
-        assert lanes == {"prefill", "decode"} if policy != "prefill-first" else lanes == {"all"}
+        assert lanes == ({"all"} if policy in ("chunked", "prefill-first") else {"prefill", "decode"})
+    finally:
+        s.stop()
+
+
+def test_disconnect_frees_the_kv_under_async_scheduling():
+    """A client that hangs up mid-stream: its request is held back from planning, dropped once the launches
+    holding it (one in flight, one queued) have returned, and its KV freed."""
+    s = Live(sched=SchedulerConfig(max_num_seqs=64, max_decode_steps=2, async_scheduling=True))
+    try:
+        body = {"prompt": "a long one", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60, json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break
+            assert s.server.engine.held
+        s.idle()
+        assert not s.kv.tables and s.kv.num_free == s.kv.num_blocks
+        s.kv.check()
+        assert s.metrics()[("vllm:request_success_total", (("finished_reason", "abort"),))] == 1
     finally:
         s.stop()
 

@@ -60,6 +60,7 @@ class Scheduler:
         self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
         # async scheduling (plan_ahead): launches applied at launch, their results recorded when they return
         self.ahead = False
+        self.planned_ahead = 0  # launches the engine planned ahead (queued behind the lane's launch in flight)
         self._outstanding: dict[Lane, deque[tuple[Batch, list[Request], list[int]]]] = {}
         self.pinned: Counter[int] = Counter()  # ahead: request id -> launches in flight that hold it
         self._ended: dict[int, bool] = {}  # ahead: ended (EOS) while a launch in flight held it -> KV still held
@@ -70,8 +71,9 @@ class Scheduler:
         self.gaps = None if keep else TokenGaps()
 
     def counters(self) -> dict[str, int]:
-        """What a policy counts of its own decisions, for the run's summary (none here)."""
-        return {}
+        """What a policy counts of its own decisions, for the run's summary (here: under async scheduling, the
+        launches planned ahead and queued behind the one before them)."""
+        return {"launches_planned_ahead": self.planned_ahead} if self.ahead else {}
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
