@@ -250,7 +250,7 @@ class Engine:
                                            self._horizon(start))
                     if batch is not None:
                         ex.launch(batch)
-                        sched.planned_ahead += 1
+                        sched.ahead.planned += 1
                         if self.on_launch is not None:
                             self.on_launch(batch)
                         self._ends[lane] = start, sched.predicted_end(batch, start)

@@ -95,7 +95,8 @@ class SimExecutor:
     def _start(self, batch: Batch, now: float, gap: bool) -> None:
         part = batch.partition
         lane, flights = part.lane, self._flights
-        key = (lane, part.num_sms, *[(f.sms, f.batch.partition.lane) for f in flights.values()])
+        key = (lane, part.num_sms, *[(f.sms, f.batch.partition.lane) for f in flights.values()]) if flights \
+            else (lane, part.num_sms)
         if key not in self._legal:  # the rule depends on the lanes and sizes alone: checked once per combination
             check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
             self._legal.add(key)

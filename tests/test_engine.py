@@ -143,7 +143,7 @@ def test_abort_inside_a_launch_takes_effect_when_it_returns(policy):
         eng.add(Request(i, 0.0, 1200, 100))
     eng.step(1e-4)  # everything just launched is still in flight
     assert any(ex.busy(lane) for lane in sched.lanes)
-    victim = next(iter(sched.busy or sched.pinned))  # (async scheduling: its launch holds it, planned or not)
+    victim = next(iter(sched.busy or sched.ahead.pinned))  # (async scheduling: its launch holds it, planned or not)
     assert eng.abort(victim) and not eng.flush()
     assert victim in kv.tables  # not yet: the launch holding it is in flight
     ends = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, deque
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,8 +26,22 @@ class SchedulingError(RuntimeError):
     pass
 
 
+@dataclass(slots=True, eq=False)
+class Ahead:
+    """What async scheduling keeps (:meth:`Scheduler.plan_ahead`)."""
+
+    outstanding: dict[Lane, deque[tuple[Batch, list[Request], list[int]]]]  # launches out, in order, per lane
+    pinned: Counter[int] = field(default_factory=Counter)  # request id -> launches in flight that hold it
+    ended: dict[int, bool] = field(default_factory=dict)  # ended (EOS) while a launch held it -> KV still held
+    planned: int = 0  # launches the engine planned ahead (queued behind the lane's launch in flight)
+
+
 class Scheduler:
     lanes: tuple[Lane, ...] = ("all",)
+    # async scheduling's state, set on the instance by plan_ahead (None here: synchronous). A class default, not an
+    # instance attribute: at 30 instance attributes CPython 3.11 drops an object's shared-key dict, which cost
+    # static-split's simulation 1 % (bench/RESULTS.md, ninth pass; StaticSplit has 29)
+    ahead: Ahead | None = None
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
                  latency: LatencyModel, eos_token_id: int | None = None, slo: SloConfig | None = None) -> None:
@@ -58,12 +72,6 @@ class Scheduler:
         self.gaps: TokenGaps | None = None
         self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
         self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
-        # async scheduling (plan_ahead): launches applied at launch, their results recorded when they return
-        self.ahead = False
-        self.planned_ahead = 0  # launches the engine planned ahead (queued behind the lane's launch in flight)
-        self._outstanding: dict[Lane, deque[tuple[Batch, list[Request], list[int]]]] = {}
-        self.pinned: Counter[int] = Counter()  # ahead: request id -> launches in flight that hold it
-        self._ended: dict[int, bool] = {}  # ahead: ended (EOS) while a launch in flight held it -> KV still held
 
     def keep_token_times(self, keep: bool) -> None:
         """Record each output token's time on its request (the default; streaming needs it), or, with
@@ -73,7 +81,7 @@ class Scheduler:
     def counters(self) -> dict[str, int]:
         """What a policy counts of its own decisions, for the run's summary (here: under async scheduling, the
         launches planned ahead and queued behind the one before them)."""
-        return {"launches_planned_ahead": self.planned_ahead} if self.ahead else {}
+        return {"launches_planned_ahead": self.ahead.planned} if self.ahead is not None else {}
 
     # ---- arrivals and admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -100,7 +108,7 @@ class Scheduler:
             self._new_hits = 0
         self.inflight[lane] = (batch, reqs)
         self.busy.update([r.id for r in reqs])
-        if self.ahead:
+        if self.ahead is not None:
             self._apply_planned(lane, batch, reqs)
         return batch
 
@@ -120,8 +128,7 @@ class Scheduler:
         """Switch to async scheduling (before the first request is added; ``SchedulerConfig`` allows it for
         single-lane policies only)."""
         assert self.lanes == ("all",), self.lanes
-        self.ahead = True
-        self._outstanding = {lane: deque() for lane in self.lanes}
+        self.ahead = Ahead({lane: deque() for lane in self.lanes})
 
     def predicted_end(self, batch: Batch, start: float) -> float:
         """When ``batch`` would end if it started at ``start`` alone on its partition (where a queued launch
@@ -134,19 +141,19 @@ class Scheduler:
 
     def holds(self, req_id: int) -> bool:
         """A launch in flight holds request ``req_id``: it cannot be dropped now."""
-        return req_id in self.pinned if self.ahead else req_id in self.busy
+        return req_id in self.ahead.pinned if self.ahead is not None else req_id in self.busy
 
     def hold_back(self, req_id: int) -> None:
         """Plan no further launch for ``req_id`` (an abort waits for the launches that hold it). Without async
         scheduling a request in flight is never planned again before its launch returns anyway."""
-        if self.ahead:
+        if self.ahead is not None:
             self.busy.add(req_id)
 
     def _apply_planned(self, lane: Lane, batch: Batch, reqs: list[Request]) -> None:
         if batch.layers.stop != self.model.num_layers:
             raise SchedulingError("async scheduling does not plan layer slices")
         steps, caching, bs = batch.steps, self.kv.prefix_caching, self.kv.block_size
-        busy, pinned = self.busy, self.pinned
+        busy, pinned = self.busy, self.ahead.pinned
         outs = []  # each request's planned output count after this launch
         for c, r in zip(batch.chunks, reqs):
             r.num_computed = c.start + c.num_tokens + steps - 1
@@ -163,13 +170,14 @@ class Scheduler:
                 if r.num_output >= r.max_new_tokens:  # its last launch: seat and KV go to the launches after it
                     self._release(r)
             outs.append(r.num_output)
-        self._outstanding[lane].append((batch, reqs, outs))
+        self.ahead.outstanding[lane].append((batch, reqs, outs))
 
     def _record(self, res: StepResult) -> list[Request]:
         """``on_result`` under async scheduling: the launch's state was applied when it was made; record its
         tokens and times, and end the requests it finished (by length, or by an end-of-sequence token)."""
         lane = res.batch.partition.lane
-        batch, reqs, outs = self._outstanding[lane].popleft()
+        ahead = self.ahead
+        batch, reqs, outs = ahead.outstanding[lane].popleft()
         if batch is not res.batch:
             raise SchedulingError(f"lane {lane!r}: a result came back out of launch order")
         if self.inflight[lane][0] is batch:  # (the lane's newest launch; a queued one may be newer)
@@ -178,7 +186,7 @@ class Scheduler:
         caching = self.kv.prefix_caching
         ends = [res.end] if steps == 1 else list(res.step_ends)
         done: list[Request] = []
-        pinned, ended, gaps, rank = self.pinned, self._ended, self.gaps, self.rank
+        pinned, ended, gaps, rank = ahead.pinned, ahead.ended, self.gaps, self.rank
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             pinned[r.id] -= 1
             if not pinned[r.id]:
@@ -251,7 +259,7 @@ class Scheduler:
             for v in reversed(self.running):
                 if rank[v.id] <= mine:
                     break
-                if v.id not in busy and not v.num_preemptions and v.id not in self.pinned:
+                if v.id not in busy and not v.num_preemptions and not (self.ahead and v.id in self.ahead.pinned):
                     victims.append(v)
             if need > kv.num_free + kv.freeable([v.id for v in victims]):
                 return False
@@ -505,7 +513,7 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------------
     def on_result(self, res: StepResult) -> list[Request]:
         """Apply a finished launch; returns the requests it finished."""
-        if self.ahead:
+        if self.ahead is not None:
             return self._record(res)
         batch, reqs = self.inflight.pop(res.batch.partition.lane)
         if batch.layers.stop != self.model.num_layers:
