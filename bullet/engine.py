@@ -32,6 +32,7 @@ from .policies.base import Scheduler, SchedulingError
 from .request import Request
 
 ABORTED = "aborted"
+_AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 AHEAD_LEAD_S, AHEAD_LEAD_FRAC = 0.002, 0.1  # async scheduling: see ahead_lead
 
 
@@ -42,7 +43,6 @@ def ahead_lead(duration: float) -> float:
     its lane would then idle through the host time after all. The price, live: a request that arrives in the
     lead joins one launch later (trace replay knows its arrivals and plans around them)."""
     return max(AHEAD_LEAD_S, AHEAD_LEAD_FRAC * duration)
-_AT_UNTIL = object()  # Engine.step's default horizon: plan to ``until``
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -235,13 +235,7 @@ class Engine:
         sched, ex = self.scheduler, self.executor
         for lane in sched.lanes:
             if not ex.busy(lane):
-                batch = sched.schedule(lane, now, plan_to)
-                if batch is not None:
-                    ex.launch(batch)
-                    if self.on_launch is not None:
-                        self.on_launch(batch)
-                    if self.ahead:
-                        self._ends[lane] = now, sched.predicted_end(batch, now)
+                self._launch(lane, sched.schedule(lane, now, plan_to), now)
             if self.ahead:
                 due = self._ahead_due(lane, plan_to)
                 if due is not None and now >= due:  # plan N+1 from N's expected end, queued behind N
@@ -249,11 +243,8 @@ class Engine:
                     batch = sched.schedule(lane, start, plan_to if self.live_window is None else
                                            self._horizon(start))
                     if batch is not None:
-                        ex.launch(batch)
                         sched.ahead.planned += 1
-                        if self.on_launch is not None:
-                            self.on_launch(batch)
-                        self._ends[lane] = start, sched.predicted_end(batch, start)
+                    self._launch(lane, batch, start)
         if sched.rejected:  # admission control turned these away (Request.error says why)
             for req in sched.rejected:
                 self.held.pop(req.id, None)
@@ -261,6 +252,16 @@ class Engine:
             sched.rejected.clear()
             return False
         return True
+
+    def _launch(self, lane: str, batch: Batch | None, start: float) -> None:
+        """Launch ``batch`` (if any) on its lane; under async scheduling note its predicted span from ``start``."""
+        if batch is None:
+            return
+        self.executor.launch(batch)
+        if self.on_launch is not None:
+            self.on_launch(batch)
+        if self.ahead:
+            self._ends[lane] = start, self.scheduler.predicted_end(batch, start)
 
     def _ahead_due(self, lane: str, plan_to: float | None) -> float | None:
         """Async scheduling: when to plan ``lane``'s next launch ahead (None: not now, nothing to plan ahead

@@ -121,9 +121,9 @@ class Scheduler:
     # blocks freed by one are written only by launches after it; lanes run side by side, so only single-lane
     # policies plan ahead. A request stays ``pinned`` (never preempted or aborted) while a launch in flight
     # holds it (the blocks a request's last launch fills with generated tokens are not prefix-cached: their ids
-    # come back after its KV was freed). What a result can still change: an end-of-sequence token ends its request early; a later
-    # launch already queued with it runs on, its tokens for it are dropped, and the request's KV is freed
-    # when no launch in flight holds it any more.
+    # come back after its KV was freed). What a result can still change: an end-of-sequence token ends its
+    # request early; a later launch already queued with it runs on, its tokens for it are dropped, and the
+    # request's KV is freed when no launch in flight holds it any more.
     def plan_ahead(self) -> None:
         """Switch to async scheduling (before the first request is added; ``SchedulerConfig`` allows it for
         single-lane policies only)."""
@@ -186,7 +186,7 @@ class Scheduler:
         caching = self.kv.prefix_caching
         ends = [res.end] if steps == 1 else list(res.step_ends)
         done: list[Request] = []
-        pinned, ended, gaps, rank = ahead.pinned, ahead.ended, self.gaps, self.rank
+        pinned, ended, rank = ahead.pinned, ahead.ended, self.rank
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             pinned[r.id] -= 1
             if not pinned[r.id]:
@@ -197,31 +197,13 @@ class Scheduler:
                 continue
             if not c.sample:
                 continue
-            n_new, eos = steps, False
-            if tokens is not None:
-                new = tokens[:, j].tolist()
-                if not r.sampling.ignore_eos and self.eos_token_id in new:
-                    n_new = new.index(self.eos_token_id) + 1
-                    eos = True
-                    del new[n_new:]
-                r.output_ids.extend(new)
-                if caching and r.prompt_ids is not None and r.id in rank:
-                    self.kv.commit(r, c.start + c.num_tokens + n_new - 1)
-            mine = ends if n_new == steps else ends[:n_new]
-            if gaps is None:
-                r.token_times.extend(mine)
-            else:
-                if r.last_token_time is not None:
-                    gaps.add(mine[0] - r.last_token_time, 1)
-                if n_new > 1:
-                    gaps.add_steps(np.asarray(mine), 1)
-            if r.first_token_time is None:
-                r.first_token_time = mine[0]
-            r.last_token_time = mine[-1]
+            n_new, eos = self._take_tokens(r, tokens, j, ends)
+            if caching and r.prompt_ids is not None and r.id in rank:  # blocks of generated tokens: ids known now
+                self.kv.commit(r, c.start + c.num_tokens + n_new - 1)
             if eos or outs[j] >= r.max_new_tokens:
                 r.num_output = outs[j] - (steps - n_new)  # what it really produced
                 r.num_computed = c.start + c.num_tokens + n_new - 1
-                r.finish_time = mine[-1]
+                r.finish_time = ends[n_new - 1]
                 self.busy.discard(r.id)  # (held back for an abort, or planned to its last token)
                 if r.id in pinned:  # a later launch in flight holds it: its tokens are dropped, its KV kept till then
                     ended[r.id] = r.id in rank  # (False: that launch was its last, which released it already)
@@ -527,7 +509,6 @@ class Scheduler:
         ends = [res.end] if steps == 1 else list(res.step_ends)
         done: list[Request] = []
         caching, bs = self.kv.prefix_caching, self.kv.block_size
-        gaps = self.gaps
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
             r.num_computed = c.start + c.num_tokens + steps - 1
             keyed = (caching and r.num_computed // bs != c.start // bs  # a block filled up: cache it
@@ -539,33 +520,39 @@ class Scheduler:
                 continue
             if self.partial:
                 self.partial.pop(r.id, None)
-            n_new = steps
-            eos = False
-            if tokens is not None:
-                new = tokens[:, j].tolist()
-                if not r.sampling.ignore_eos and self.eos_token_id in new:
-                    n_new = new.index(self.eos_token_id) + 1
-                    eos = True
-                    del new[n_new:]
-                r.output_ids.extend(new)
+            n_new, eos = self._take_tokens(r, tokens, j, ends)
             if keyed:
                 self.kv.commit(r, r.num_computed)
-            mine = ends if n_new == steps else ends[:n_new]
-            if gaps is None:
-                r.token_times.extend(mine)
-            else:
-                if r.last_token_time is not None:
-                    gaps.add(mine[0] - r.last_token_time, 1)
-                if n_new > 1:
-                    gaps.add_steps(np.asarray(mine), 1)
-            if r.first_token_time is None:
-                r.first_token_time = mine[0]
-            r.last_token_time = mine[-1]
             r.num_output += n_new
             if eos or r.num_output >= r.max_new_tokens:
-                self._finish(r, mine[-1])
+                self._finish(r, ends[n_new - 1])
                 done.append(r)
         return done
+
+    def _take_tokens(self, r: Request, tokens: np.ndarray | None, j: int, ends: list[float]) -> tuple[int, bool]:
+        """Record what column ``j`` of a launch with step ends ``ends`` sampled for ``r``: its token ids, cut
+        after an end-of-sequence token, and their times. Returns (tokens taken, whether an EOS ended it)."""
+        n_new, eos = len(ends), False
+        if tokens is not None:
+            new = tokens[:, j].tolist()
+            if not r.sampling.ignore_eos and self.eos_token_id in new:
+                n_new = new.index(self.eos_token_id) + 1
+                eos = True
+                del new[n_new:]
+            r.output_ids.extend(new)
+        mine = ends if n_new == len(ends) else ends[:n_new]
+        gaps = self.gaps
+        if gaps is None:
+            r.token_times.extend(mine)
+        else:
+            if r.last_token_time is not None:
+                gaps.add(mine[0] - r.last_token_time, 1)
+            if n_new > 1:
+                gaps.add_steps(np.asarray(mine), 1)
+        if r.first_token_time is None:
+            r.first_token_time = mine[0]
+        r.last_token_time = mine[-1]
+        return n_new, eos
 
     def _counted(self, batch: Batch, reqs: list[Request], res: StepResult) -> list[Request]:
         """``on_result`` where tokens are counted, not stored, and no block can enter the prefix cache (the
