@@ -45,6 +45,9 @@ def whatif(
                                                    "menu; H200: 20, 28, ..., 124). [92]")] = None,
     layers_per_step: Annotated[str | None, _opt(SWEEP, "Split policies: prefill layers per launch.")] = None,
     max_num_seqs: Annotated[str | None, _opt(SWEEP, "Most requests running at once. [256]")] = None,
+    async_scheduling: Annotated[str | None, _opt(SWEEP, "chunked, prefill-first: async scheduling off, on, or "
+                                                        "both (off,on): each launch planned while the one "
+                                                        "before it runs. [off]")] = None,
     request_rate: Annotated[str | None, _opt(SWEEP, "Rate grid (req/s), e.g. 2:20:2: exact SLO attainment at "
                                                     "each rate (the attainment plot's curves).")] = None,
     slo: Annotated[str | None, _opt(SWEEP, "Named SLO sets: paper-sharegpt, paper-azure-code, paper-arxiv "
@@ -107,7 +110,8 @@ def whatif(
         raise fail(f"unknown option {ctx.args[0]!r}; settings a sweep can vary: "
                    + ", ".join(lib.flag_of(n) for n in AXES))
     given = {"policy": policy, "max_num_batched_tokens": max_num_batched_tokens, "prefill_sms": prefill_sms,
-             "layers_per_step": layers_per_step, "max_num_seqs": max_num_seqs, "request_rate": request_rate,
+             "layers_per_step": layers_per_step, "max_num_seqs": max_num_seqs, "async_scheduling": async_scheduling,
+             "request_rate": request_rate,
              "slo": slo, "slo_ttft": slo_ttft, "slo_tpot": slo_tpot, "slo_ttft_per_token": slo_ttft_per_token,
              "model": model, "gpu": gpu, "tensor_parallel_size": tensor_parallel_size, "trace": trace,
              "num_prompts": num_prompts, "target_attainment": target_attainment, "rel_tol": rel_tol,
@@ -250,6 +254,8 @@ def print_results(sweep: Sweep, rows: list[Row], console: Console) -> None:
 
 
 def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
     return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
 
 

@@ -77,6 +77,7 @@ AXES: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "prefill_sms": (int, ("static-split",)),
     "layers_per_step": (int, ("static-split", "naive-concurrent", "bullet")),
     "max_num_seqs": (int, None),
+    "async_scheduling": (bool, ("chunked", "prefill-first")),
 }
 
 # Scalar settings of a sweep: name -> type.
@@ -94,7 +95,7 @@ KEYS: dict[str, str] = {
     "policy": "policy", "max_num_batched_tokens": "max_batched_tokens",
     "max_batched_tokens": "max_batched_tokens",
     "prefill_sms": "prefill_sms", "layers_per_step": "layers_per_step", "max_num_seqs": "max_num_seqs",
-    "request_rate": "rates", "num_prompts": "num_requests", "num_requests": "num_requests",
+    "async_scheduling": "async_scheduling", "request_rate": "rates", "num_prompts": "num_requests", "num_requests": "num_requests",
     "target_attainment": "target", "rel_tol": "rel_tol", "seeds": "seeds", "seed": "seed",
     "windows": "windows",
     "arrival": "arrival", "cv": "cv", "latency": "latency", "guess": "guess", "capacity": "capacity",
@@ -128,6 +129,7 @@ class Config:
     prefill_sms: int | None = SchedulerConfig().prefill_sms
     layers_per_step: int | None = None
     max_num_seqs: int = SchedulerConfig().max_num_seqs
+    async_scheduling: bool | None = None  # None: off (the default, and for policies without it)
 
     def normalized(self) -> Config:
         """Knobs the policy ignores set to None; a named SLO set's values filled in; the absolute TTFT
@@ -150,7 +152,8 @@ class Config:
         sms = SchedulerConfig().prefill_sms if self.prefill_sms is None else self.prefill_sms
         return SchedulerConfig(policy=self.policy, max_num_seqs=self.max_num_seqs,  # type: ignore[arg-type]
                                max_batched_tokens=self.max_batched_tokens, prefill_sms=sms,
-                               layers_per_step=self.layers_per_step)
+                               layers_per_step=self.layers_per_step,
+                               async_scheduling=bool(self.async_scheduling))
 
     def slo_config(self) -> SloConfig:
         def s(ms: float | None) -> float | None:
@@ -175,7 +178,7 @@ class Config:
 
 _SHORT = {"tp": "tp", "slo_ttft": "ttft", "slo_tpot": "tpot", "slo_ttft_per_token": "ttft/tok",
           "max_batched_tokens": "tokens", "prefill_sms": "sms", "layers_per_step": "layers",
-          "max_num_seqs": "seqs"}
+          "max_num_seqs": "seqs", "async_scheduling": "async"}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -183,6 +186,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -352,7 +357,7 @@ def _check_axis(name: str, values: tuple[Any, ...], flag: str) -> None:
             raise SweepError(f"{flag}: unknown policy {v!r}; use one of {', '.join(POLICIES)}")
         if name == "slo" and v not in SLO_PRESETS:
             raise SweepError(f"{flag}: unknown SLO set {v!r}; use one of {', '.join(SLO_PRESETS)}")
-        if AXES[name][0] is not str and v is not None and v <= 0:
+        if AXES[name][0] in (int, float) and v is not None and v <= 0:
             raise SweepError(f"{flag}: values must be positive, got {_fmt(v)}")
         try:
             if name == "gpu":
@@ -622,7 +627,7 @@ PLANS_WITH_SLO = ("bullet",)
 
 
 # Policy knobs: configs that differ only in these are neighbours whose capacities seed each other's search.
-KNOBS = ("max_batched_tokens", "prefill_sms", "layers_per_step", "max_num_seqs")
+KNOBS = ("max_batched_tokens", "prefill_sms", "layers_per_step", "max_num_seqs", "async_scheduling")
 
 
 def unit_key(task: Task) -> tuple:

@@ -268,6 +268,11 @@ def test_expansion_drops_knobs_a_policy_ignores():
         ("paper-sharegpt", None, 3.0, 150.0), ("tight", 500.0, None, 50.0)]
     assert named.varying() == ["slo", "policy"] and named.configs()[0].label(named.varying()) == \
         "paper-sharegpt chunked"
+    ahead = parse_sweep({"policy": "chunked,bullet", "async_scheduling": "off,on"})  # single-lane policies only
+    assert [(c.policy, c.async_scheduling) for c in ahead.configs()] == [
+        ("chunked", False), ("chunked", True), ("bullet", None)]
+    assert [c.scheduler().async_scheduling for c in ahead.configs()] == [False, True, False]
+    assert ahead.configs()[1].label(ahead.varying()) == "chunked async=on"
 
 
 def test_flags_and_files_give_the_same_sweep(tmp_path):
