@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import sys
 import time
@@ -40,6 +41,9 @@ PAPER = {"sharegpt": (0.003, 0.150), "azure-code": (0.0015, 0.200), "arxiv": (0.
 
 
 def policy_cfg(name: str, layers: int, decode_sizes: tuple[int, ...] | None) -> SchedulerConfig:
+    if name.endswith("+async"):  # e.g. chunked-8192+async: with async scheduling
+        return dataclasses.replace(policy_cfg(name.removesuffix("+async"), layers, decode_sizes),
+                                   async_scheduling=True)
     if name == "bullet":
         return SchedulerConfig(policy="bullet", layers_per_step=layers, decode_sizes=decode_sizes)
     if name.startswith("chunked-"):

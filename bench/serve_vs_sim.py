@@ -127,7 +127,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--latency", default="auto", help="latency model of the policies and the simulator")
-    ap.add_argument("--policies", nargs="+", default=["chunked", "static-split", "bullet"])
+    ap.add_argument("--policies", nargs="+", default=["chunked", "static-split", "bullet"],
+                    help="policies (chunked, prefill-first, static-split, naive-concurrent, bullet); "
+                         "'chunked+async', 'prefill-first+async': with --async-scheduling")
     ap.add_argument("--trace", default="sharegpt")
     ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0])
     ap.add_argument("--num-requests", type=int, default=100)
@@ -158,10 +160,12 @@ def main() -> None:
     model_gap = getattr(latency_model(args.latency, resolve_model(args.model), resolve_gpu("h200")), "host_gap", None)
     rows = []
     for policy in args.policies:
-        flags = ["--policy", policy, *POLICY_FLAGS.get(policy, [])]
-        log = args.out / f"server_{policy}.log"
+        base, _, mode = policy.partition("+")  # "chunked+async": with --async-scheduling
+        flags = ["--policy", base, *POLICY_FLAGS.get(base, []), *(["--async-scheduling"] if mode == "async" else [])]
+        name = policy.replace("+", "-")
+        log = args.out / f"server_{name}.log"
         t0 = time.perf_counter()
-        launches = args.out / f"launches_{policy}.csv"
+        launches = args.out / f"launches_{name}.csv"
         with log.open("w") as lf:
             proc = subprocess.Popen([*CLI, "run", *common, *flags, "--device", args.device, "--slo", args.slo,
                                      "--port", str(args.port), "--log-level", "warning", "--launch-log",
@@ -170,7 +174,7 @@ def main() -> None:
             print(f"{policy}: server ready in {time.perf_counter() - t0:.0f} s", flush=True)
             real = {}
             for rate in args.rates:
-                path = args.out / f"bench_{policy}_{rate:g}.json"
+                path = args.out / f"bench_{name}_{rate:g}.json"
                 before = scrape(url)
                 res = subprocess.run([*CLI, "bench", "--base-url", url, *work, "--request-rate", str(rate),
                                       "--json", str(path)], check=False, capture_output=True, text=True)
@@ -180,7 +184,7 @@ def main() -> None:
                 real[rate] = json.loads(path.read_text())
                 real[rate]["server_side_ms"] = server_means(before, scrape(url))
                 with urllib.request.urlopen(url + "/metrics", timeout=10) as r:  # per lane, for a closer look
-                    (args.out / f"metrics_{policy}_{rate:g}.txt").write_bytes(r.read())
+                    (args.out / f"metrics_{name}_{rate:g}.txt").write_bytes(r.read())
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         if launches.exists():

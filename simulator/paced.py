@@ -57,6 +57,12 @@ class PacedExecutor:
         """In flight, or ended and not yet returned by ``wait`` (as a GPU launch whose events were not read)."""
         return self.sim.busy(lane) or any(r.batch.lane == lane for r in self._ready)
 
+    def queued(self, lane: Lane) -> bool:
+        """Two launches out on ``lane`` (async scheduling's most): ended and not yet returned, in flight, or
+        queued behind the one in flight."""
+        out = sum(r.batch.lane == lane for r in self._ready) + self.sim.busy(lane) + self.sim.queued(lane)
+        return out >= 2
+
     def release(self, req_id: int) -> None:
         self.sim.release(req_id)
 

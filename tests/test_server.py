@@ -278,10 +278,13 @@ def test_an_unknown_device_is_refused_by_name(device):
         build_server("tiny-llama", device=device)
 
 
-def test_device_sim_paces_an_h200_without_a_model():
+@pytest.mark.parametrize("sched", [SchedulerConfig(policy="static-split", layers_per_step=8),
+                                   SchedulerConfig(policy="chunked", async_scheduling=True)])
+def test_device_sim_paces_an_h200_without_a_model(sched):
     """``--device sim``: Llama-3.1-8B on a simulated H200 (no weights, no torch work): streams complete with
-    their usage, the placeholder ids are each position's letter, the KV is freed, both lanes were used."""
-    s = Live(model="llama-3.1-8b", device="sim", sched=SchedulerConfig(policy="static-split", layers_per_step=8))
+    their usage, the placeholder ids are each position's letter, the KV is freed, the policy's lanes were used
+    (with async scheduling too: launches queued behind the one in flight)."""
+    s = Live(model="llama-3.1-8b", device="sim", sched=sched)
     try:
         prompt = list(range(65, 65 + 40))
         bodies = [{"prompt": prompt, "max_tokens": 6, "stream": True, "return_token_ids": True,
@@ -293,7 +296,9 @@ def test_device_sim_paces_an_h200_without_a_model():
         s.idle()
         assert s.kv.num_free == s.kv.num_blocks
         lanes = {dict(lab)["lane"] for name, lab in s.metrics() if name == "bullet:lane_sms"}
-        assert lanes == {"prefill", "decode"}
+        assert lanes == ({"all"} if sched.policy == "chunked" else {"prefill", "decode"})
+        if sched.async_scheduling:
+            assert s.server.engine.scheduler.ahead.planned > 0
     finally:
         s.stop()
 
