@@ -335,4 +335,6 @@ def serve(requests: Iterable[Request], scheduler: Scheduler, executor: Executor,
             nxt += 1
         for u in engine.step(pending[nxt].arrival if nxt < total else None):
             finished.append(u.request)  # not streaming: every update is a request that ended
+    while not engine.idle:  # async scheduling: a launch queued with requests that ended (EOS) before it ran
+        engine.step(None)
     return finished

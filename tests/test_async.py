@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bullet.cli import app
@@ -20,6 +22,7 @@ from bullet.request import Request, SamplingParams
 from simulator import simulate
 from simulator.executor import SimExecutor
 from tests.latency import LinearLatency
+from tests.test_scheduler import EchoExecutor
 
 MODEL = MODELS["llama-3.1-8b"]
 GPU = GPUS["h200"]
@@ -95,6 +98,36 @@ def test_an_arrival_during_a_launch_is_in_the_next_one_queued_without_a_gap():
 def test_the_lead_covers_the_host_and_a_launch_ending_early():
     assert ahead_lead(0.005) == AHEAD_LEAD_S == 0.002  # a short launch: the host's time
     assert ahead_lead(0.08) == pytest.approx(0.008)  # a tenth of a long one
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(["chunked", "prefill-first"]), seed=st.integers(0, 2**16),
+       eos=st.integers(20, 600), steps=st.sampled_from([1, 4, 64]), blocks=st.sampled_from([150, 4000]))
+def test_eos_anywhere_under_async_matches_sync(policy, seed, eos, steps, blocks):
+    """Token ids are positions (EchoExecutor), so the end-of-sequence id ``eos`` ends every request whose
+    positions reach it, wherever that falls in a launch (fused or not, in a launch already queued behind it or
+    not), with KV short or not: each request's output is the synchronous engine's, each ends once, the block
+    manager stays consistent at every result, and everything is returned at the end."""
+    outs = {}
+    for ahead in (False, True):
+        rng = np.random.default_rng(seed)
+        t = np.cumsum(rng.exponential(1 / 30.0, 25))
+        reqs = [Request(i, float(t[i]), int(rng.integers(8, 500)), int(rng.integers(1, 120)),
+                        sampling=SamplingParams(ignore_eos=False)) for i in range(25)]
+        lat = LinearLatency(L)
+        kv = BlockManager(blocks, 16)
+        sched = make_scheduler(SchedulerConfig(policy=policy, max_decode_steps=steps, async_scheduling=ahead),
+                               MODEL, GPU, kv, lat, eos_token_id=eos)
+        done = serve(reqs, sched, EchoExecutor(lat, L, GPU, (2e-4, 0.0)), on_step=lambda _r, kv=kv: kv.check())
+        assert sorted(r.id for r in done) == list(range(25))
+        assert kv.num_free == kv.num_blocks and not sched.running and not sched.waiting and not sched.busy
+        for r in done:
+            assert r.num_output == len(r.output_ids) == len(r.token_times)
+        for r in done:  # the id sampled after position p - 1 is p: the output stops at eos where it is reached
+            last = eos if r.prompt_len <= eos < r.prompt_len + r.max_new_tokens else r.prompt_len + r.max_new_tokens - 1
+            assert r.output_ids == list(range(r.prompt_len, last + 1))
+        outs[ahead] = {r.id: r.output_ids for r in done}
+    assert outs[True] == outs[False]
 
 
 torch = pytest.importorskip("torch")
