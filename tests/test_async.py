@@ -15,13 +15,14 @@ from typer.testing import CliRunner
 
 from bullet.cli import app
 from bullet.config import GPUS, MODELS, ConfigError, SchedulerConfig
-from bullet.engine import AHEAD_LEAD_S, ahead_lead, serve
+from bullet.engine import AHEAD_LEAD_S, Engine, ahead_lead, serve
 from bullet.kvcache import BlockManager
 from bullet.policies import make_scheduler
 from bullet.request import Request, SamplingParams
 from simulator import simulate
 from simulator.executor import SimExecutor
 from tests.latency import LinearLatency
+from tests.test_engine import drive
 from tests.test_scheduler import EchoExecutor
 
 MODEL = MODELS["llama-3.1-8b"]
@@ -128,6 +129,39 @@ def test_eos_anywhere_under_async_matches_sync(policy, seed, eos, steps, blocks)
             assert r.output_ids == list(range(r.prompt_len, last + 1))
         outs[ahead] = {r.id: r.output_ids for r in done}
     assert outs[True] == outs[False]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(["chunked", "prefill-first"]), seed=st.integers(0, 2**16),
+       eos=st.integers(20, 600), steps=st.sampled_from([1, 64]),
+       aborts=st.lists(st.tuples(st.floats(0, 1.5), st.integers(0, 19)), max_size=8))
+def test_aborts_and_eos_under_async_end_each_request_once(policy, seed, eos, steps, aborts):
+    """A live engine under async scheduling (streaming, arrivals unknown), with EOS anywhere and aborts at random
+    times (of requests queued, in flight, queued behind a launch, ended or not yet arrived): every request ends
+    exactly once, its streamed tokens are its output and a prefix of the hand-computed one, the pool stays
+    consistent at every result, and everything is returned at the end."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / 30.0, 20))
+    reqs = [Request(i, float(t[i]), int(rng.integers(8, 500)), int(rng.integers(1, 120)),
+                    sampling=SamplingParams(ignore_eos=False)) for i in range(20)]
+    lat = LinearLatency(L)
+    kv = BlockManager(300, 16)
+    sched = make_scheduler(SchedulerConfig(policy=policy, max_decode_steps=steps, async_scheduling=True),
+                           MODEL, GPU, kv, lat, eos_token_id=eos)
+    engine = Engine(sched, EchoExecutor(lat, L, GPU, (2e-4, 0.0)), stream=True, live_window=0.02,
+                    on_step=lambda _r: kv.check())
+    ups = drive(engine, reqs, aborts)
+    ends = [u for u in ups if u.finished]
+    assert sorted(u.request.id for u in ends) == list(range(20))
+    aborted = {rid for _, rid in aborts}
+    for u in ends:
+        r = u.request
+        assert u.reason in ("stop", "length") or (u.reason == "abort" and r.id in aborted)
+        last = eos if r.prompt_len <= eos < r.prompt_len + r.max_new_tokens else r.prompt_len + r.max_new_tokens - 1
+        full = list(range(r.prompt_len, last + 1))
+        assert r.output_ids == (full if u.reason != "abort" else full[:len(r.output_ids)])
+        assert [x for v in ups if v.request is r for x in v.token_ids] == r.output_ids
+    assert kv.num_free == kv.num_blocks and not sched.running and not sched.waiting and not sched.ahead.pinned
 
 
 torch = pytest.importorskip("torch")
