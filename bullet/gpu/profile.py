@@ -185,6 +185,14 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
         pts += sampled_coruns(spec, menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms, 12 if quick else 24,
                               kv_tokens, seed=3, batches=(1, 2, 4, 8, 16), contexts=(1024, 2048, 4096, 8192))
         pts += sampled_mixed(num_sms, 16 if quick else 32, kv_tokens, seed=4)  # more of chunked's steps
+        # static-split on azure-code: several long prompts in one prefill beside 1-4 decode rows. Its decode
+        # launches ran 4-7 % slower, relative to the model, than 17-64-row ones beside the same prefills, where
+        # the co-runs above (one prompt each) show 2-3 % (bench/corun_decode_ratio.py, bench/RESULTS.md)
+        p = min(menu_sizes[0][:-1], key=lambda x: abs(x - 92))  # static-split's default split, 92 / 40 on the H200
+        for k, n in ((2, 1536), (3, 2048), (4, 1792)):
+            for bs in (1, 2, 4):
+                dec, pre = Shape(decode=(2048,) * bs, steps=steps), Shape(((n, 0),) * k)
+                pts += [Point(pre, "prefill", p, dec, num_sms - p), Point(dec, "decode", num_sms - p, pre, p)]
     return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
 
 
