@@ -254,9 +254,9 @@ def print_results(sweep: Sweep, rows: list[Row], console: Console) -> None:
 
 
 def _show(v: Any) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+    from .whatif import fmt_value
+
+    return "-" if v is None else fmt_value(v)
 
 
 def _num(v: float | None, digits: int = 2) -> str:

@@ -44,6 +44,7 @@ from typing import Any
 
 from .config import (
     POLICIES,
+    SINGLE_LANE,
     SLO_PRESETS,
     CacheConfig,
     ConfigError,
@@ -77,7 +78,7 @@ AXES: dict[str, tuple[type, tuple[str, ...] | None]] = {
     "prefill_sms": (int, ("static-split",)),
     "layers_per_step": (int, ("static-split", "naive-concurrent", "bullet")),
     "max_num_seqs": (int, None),
-    "async_scheduling": (bool, ("chunked", "prefill-first")),
+    "async_scheduling": (bool, SINGLE_LANE),
 }
 
 # Scalar settings of a sweep: name -> type.
@@ -95,7 +96,8 @@ KEYS: dict[str, str] = {
     "policy": "policy", "max_num_batched_tokens": "max_batched_tokens",
     "max_batched_tokens": "max_batched_tokens",
     "prefill_sms": "prefill_sms", "layers_per_step": "layers_per_step", "max_num_seqs": "max_num_seqs",
-    "async_scheduling": "async_scheduling", "request_rate": "rates", "num_prompts": "num_requests", "num_requests": "num_requests",
+    "async_scheduling": "async_scheduling",
+    "request_rate": "rates", "num_prompts": "num_requests", "num_requests": "num_requests",
     "target_attainment": "target", "rel_tol": "rel_tol", "seeds": "seeds", "seed": "seed",
     "windows": "windows",
     "arrival": "arrival", "cv": "cv", "latency": "latency", "guess": "guess", "capacity": "capacity",
@@ -172,7 +174,7 @@ class Config:
             if value is None:
                 continue
             named = name in ("policy", "trace", "model", "gpu", "slo")
-            parts.append(str(value) if named else f"{_SHORT[name]}={_fmt(value)}")
+            parts.append(str(value) if named else f"{_SHORT[name]}={fmt_value(value)}")
         return " ".join(parts) or self.policy
 
 
@@ -185,7 +187,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1e3 * seconds, 9)
 
 
-def _fmt(value: Any) -> str:
+def fmt_value(value: Any) -> str:
+    """A setting's value as the tables and labels show it."""
     if isinstance(value, bool):
         return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else str(value)
@@ -329,7 +332,7 @@ def _parse_scalar(value: Any, kind: type, name: str) -> Any:
             return True
         if text in ("false", "no", "off", "0"):
             return False
-        raise SweepError(f"expected true or false, got {value!r}")
+        raise SweepError(f"expected on or off (true or false), got {value!r}")
     if kind is str:
         if not isinstance(value, str) or not value.strip():
             raise SweepError(f"expected a name, got {value!r}")
@@ -358,7 +361,7 @@ def _check_axis(name: str, values: tuple[Any, ...], flag: str) -> None:
         if name == "slo" and v not in SLO_PRESETS:
             raise SweepError(f"{flag}: unknown SLO set {v!r}; use one of {', '.join(SLO_PRESETS)}")
         if AXES[name][0] in (int, float) and v is not None and v <= 0:
-            raise SweepError(f"{flag}: values must be positive, got {_fmt(v)}")
+            raise SweepError(f"{flag}: values must be positive, got {fmt_value(v)}")
         try:
             if name == "gpu":
                 resolve_gpu(v)
