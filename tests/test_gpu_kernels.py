@@ -16,6 +16,7 @@ from bullet.gpu.kernels.gemv import GEMV_DEFAULT, gemv
 from bullet.gpu.kernels.norm import rms_norm
 from bullet.gpu.kernels.prefill_attention import block_q, prefill_attention, tile_table
 from bullet.gpu.kernels.rope import rope_and_store
+from bullet.gpu.kernels.skinny import SkinnyConfig, skinny_linear
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,6 +86,14 @@ def test_decode_attention_cpu_fp32(heads, num_splits, layout):
     ctx = [1, 5, 16, 17, 70, 0, 33]
     check_decode(ctx, heads[0], heads[1], 16, 4, "cpu", torch.float32, seed=sum(heads), tol=1e-5,
                  num_splits=num_splits, layout=layout)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_pages_ahead_cpu_fp32(num_splits):
+    """The table lookups read a tile ahead: the tiles at both ends of each slice (the first one read before
+    the loop, the last one's look-ahead past the slice masked) still get their own pages."""
+    check_decode([1, 5, 16, 17, 70, 0, 33, 64], 8, 2, 16, 4, "cpu", torch.float32, seed=3, tol=1e-5,
+                 num_splits=num_splits, layout="hnd", block_n=16, pages_ahead=True)
 
 
 def prefill_reference(q, k, v, bt, q_lens, ctx_lens, first, scale) -> torch.Tensor:
@@ -207,6 +216,58 @@ def test_rope_and_store_cpu(qk_norm, layout):
     check_rope("cpu", torch.float32, 4, 2, 16, qk_norm, 1e-6, layout)
 
 
+def skinny_reference(x, w, mode, r=None):
+    """float64: ``x @ w.T``, plus ``r`` (residual), or silu(gate) * up of the two halves (swiglu)."""
+    y = x.double() @ w.double().T
+    if mode == "swiglu":
+        g, u = y.chunk(2, dim=-1)
+        return g * torch.sigmoid(g) * u
+    return y + r.double() if mode == "residual" else y
+
+
+def check_skinny(device, dtype, M, N, K, mode, config, tol, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(2 * N if mode == "swiglu" else N, K, generator=g) / K ** 0.5).to(device=device, dtype=dtype)
+    r = torch.randn(M, N, generator=g).to(device=device, dtype=dtype) if mode == "residual" else None
+    want = skinny_reference(x, w, mode, r)
+    if mode == "residual":
+        res = r.clone()
+        out = skinny_linear(x, w, residual=res, config=config)
+        assert out.data_ptr() == res.data_ptr()  # in place
+    else:
+        out = skinny_linear(x, w, swiglu=mode == "swiglu", config=config)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel(out, want) < tol, (M, N, K, mode, config, rel(out, want))
+
+
+SKINNY_MODES = ["plain", "residual", "swiglu"]
+
+
+@pytest.mark.parametrize("mode", SKINNY_MODES)
+@pytest.mark.parametrize("config", [SkinnyConfig(32, 64, 1, 4, 2), SkinnyConfig(64, 128, 2, 4, 2),
+                                    SkinnyConfig(32, 64, 3, 4, 2)])
+def test_skinny_linear_cpu(mode, config):
+    """On the CPU the torch fallback (the Triton kernel under TRITON_INTERPRET=1): shapes off every tile
+    multiple, and K splits that do not divide K."""
+    for M, N, K in ((5, 96, 256), (33, 200, 130), (1, 64, 64)):
+        check_skinny("cpu", torch.float32, M, N, K, mode, config, 1e-5)
+
+
+def test_skinny_config_fits_shared_memory():
+    """A config whose tiles would not fit gives up pipeline stages first, then K width (hand-counted bytes)."""
+    from bullet.gpu.kernels.skinny import SMEM_BYTES
+    c = SkinnyConfig(64, 256, 1, 4, 4)
+    assert c.fitted(16, False) == c  # (64 + 16) x 256 x 2 B x 4 stages = 160 KiB
+    assert c.fitted(16, True) == c._replace(num_stages=2)  # (128 + 16) x 256 x 2 x 3 = 216 KiB: too much
+    assert c.fitted(256, False) == c._replace(block_k=128, num_stages=2)  # 2 stages of 256-wide: 320 KiB; 128: 160
+    for rows in (1, 16, 128, 256):
+        for swiglu in (False, True):
+            f = c.fitted(rows, swiglu)
+            bm = max(16, 1 << (rows - 1).bit_length())
+            assert (f.block_n * (2 if swiglu else 1) + bm) * f.block_k * 2 * f.num_stages <= SMEM_BYTES
+
+
 def test_silu_mul_cpu():
     x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(1))
     xd = x.double()
@@ -242,7 +303,8 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     for splits in (1, 2, 7, 64):
         check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
     for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2},
-                    {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1}):
+                    {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1},
+                    {"pages_ahead": True}, {"pages_ahead": True, "num_splits": 5, "block_n": 128}):
         check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
 
 
@@ -336,6 +398,19 @@ def test_gpu_gemv(shape, options, fused):
     check_gemv("cuda", torch.bfloat16, *shape, bias=bias, tol=1e-2, fused=fused, **options)
     check_gemv("cuda", torch.float32, *shape, bias=True and "swiglu" not in fused, tol=1e-5, fused=fused,
                **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (1000, 333)])
+@pytest.mark.parametrize("mode", SKINNY_MODES)
+def test_gpu_skinny_linear(shape, mode):
+    """Decode products at Llama-3.1-8B's shapes (and one off every tile multiple) for 2..256 rows, with and
+    without a K split, in bf16 against float64."""
+    N, K = shape
+    configs = [SkinnyConfig(32, 128, 1, 4, 4), SkinnyConfig(128, 64, 8, 8, 3)]
+    for M in (2, 33, 256):
+        for config in configs:
+            check_skinny("cuda", torch.bfloat16, M, N, K, mode, config, 1e-2, seed=M)
 
 
 @pytest.mark.gpu
