@@ -40,7 +40,9 @@ MATMUL_CEILING = 791e12  # bf16 8192^3, measured
 
 
 def timeit(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs, each timed with CUDA events."""
+    """Median seconds of ``fn`` over ``reps`` runs, each timed with CUDA events around it. The GPU waits for the
+    host while ``fn`` enqueues, so this counts the host's launch time too: right for eager paths (what a launch
+    costs), wrong for one short kernel (use :func:`graph_time`)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
