@@ -79,11 +79,9 @@ def main() -> None:
             err = float((got - ref).norm() / ref.norm())
             assert err < 1e-2, (lay, sp, err)
 
-    opts = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "num_splits": (1, 2, 4, 8),
-            "pages_ahead": (False, True)}
+    opts = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "num_splits": (1, 2, 4, 8)}
     if args.quick:
-        opts = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "num_splits": (1, 2, 4),
-                "pages_ahead": (False, True)}
+        opts = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "num_splits": (1, 2, 4)}
     configs = [("nhd", dict(zip(opts, v))) for v in itertools.product(*opts.values())]
     configs += [("hnd", c) for _, c in configs]
 

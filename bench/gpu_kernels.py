@@ -169,7 +169,6 @@ def main() -> None:
     configs = [{"block_n": bn, "num_warps": nw, "num_stages": st, "num_splits": 1, "head_first": hf,
                 "offsets32": o32}
                for o32 in (True, False) for hf in (True, False) for bn in (64, 128) for nw in (4, 8) for st in (2, 3)]
-    configs += [{**c, "pages_ahead": True} for c in configs]
     configs += [{"block_n": 64, "num_warps": 4, "num_stages": 3, "num_splits": sp, "head_first": True}
                 for sp in (2, 4)]
     if args.quick:

@@ -5,7 +5,7 @@ kernel's remaining time goes). Llama-3.1-8B shapes, bf16, random data, whole GPU
         --section MemoryWorkloadAnalysis --section WarpStateStats python3 bench/ncu_decode.py attn
     ncu --clock-control none -k regex:'nvjet|gemm|_skinny' -c 2 ... python3 bench/ncu_decode.py gemm
 
-``attn``: the paged decode attention at 128 x 1024 on one layer (the default options, then ``pages_ahead``);
+``attn``: the paged decode attention at 128 x 1024 on one layer (the executor's default options);
 ``gemm``: the gate/up product at 128 rows through cuBLAS, then the skinny kernel (``--config``: block_n,
 block_k, splits, warps, stages). Each kernel runs three times (warm-up); ncu's ``-c`` / ``--launch-skip``
 choose which launch it profiles. Prints each kernel's time by CUDA events as a check of what ncu saw.
@@ -53,9 +53,8 @@ def main() -> None:
         cl = torch.full((S,), CTX, dtype=torch.int32, device=dev)
         q = torch.randn(S, H, D, device=dev, dtype=torch.bfloat16)
         nbytes = S * CTX * KVH * D * 2 * 2
-        for opts in ({}, {"pages_ahead": True}):
-            t = events(lambda opts=opts: paged_decode_attention(q, k, v, bt, cl, D**-0.5, CTX, **opts))
-            print(f"attention {opts}: {t * 1e6:.1f} us, {nbytes / t / 1e12:.2f} TB/s")
+        t = events(lambda: paged_decode_attention(q, k, v, bt, cl, D**-0.5, CTX))
+        print(f"attention: {t * 1e6:.1f} us, {nbytes / t / 1e12:.2f} TB/s")
     else:
         M, N, K = args.rows, 28672, 4096
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5

@@ -88,14 +88,6 @@ def test_decode_attention_cpu_fp32(heads, num_splits, layout):
                  num_splits=num_splits, layout=layout)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_pages_ahead_cpu_fp32(num_splits):
-    """The table lookups read a tile ahead: the tiles at both ends of each slice (the first one read before
-    the loop, the last one's look-ahead past the slice masked) still get their own pages."""
-    check_decode([1, 5, 16, 17, 70, 0, 33, 64], 8, 2, 16, 4, "cpu", torch.float32, seed=3, tol=1e-5,
-                 num_splits=num_splits, layout="hnd", block_n=16, pages_ahead=True)
-
-
 def prefill_reference(q, k, v, bt, q_lens, ctx_lens, first, scale) -> torch.Tensor:
     """float64: sequence s's new tokens (rows in order) attend causally to its ctx_lens[s] pool tokens, the
     last q_lens[s] of which are the new ones; rows of sequences before ``first`` are zero."""
@@ -303,8 +295,7 @@ def test_gpu_decode_attention_padding_rows_and_fp32():
     for splits in (1, 2, 7, 64):
         check_decode([3000, 17, 1], 28, 4, 128, 16, "cuda", torch.bfloat16, 9, tol=1e-2, num_splits=splits)
     for options in ({"head_first": False}, {"block_n": 128, "num_warps": 8}, {"block_n": 32, "num_stages": 2},
-                    {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1},
-                    {"pages_ahead": True}, {"pages_ahead": True, "num_splits": 5, "block_n": 128}):
+                    {"offsets32": True}, {"pdl": True, "num_splits": 3}, {"pdl": True, "num_splits": 1}):
         check_decode([5000, 1, 0, 77, 1024], 32, 8, 128, 16, "cuda", torch.bfloat16, 10, tol=1e-2, **options)
 
 

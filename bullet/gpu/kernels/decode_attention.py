@@ -21,7 +21,7 @@ if HAVE_TRITON:
                              num_splits, PAGE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                              D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
                              PRECISION: tl.constexpr, HEAD_FIRST: tl.constexpr, OFF32: tl.constexpr,
-                             AHEAD: tl.constexpr, PDL: tl.constexpr):
+                             PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -47,18 +47,10 @@ if HAVE_TRITON:
         acc = tl.zeros([GP, D], tl.float32)
         bt = BT + s * stride_bt
         head_off = kvh * stride_chead
-        if AHEAD:  # the first tile's pages; each step then reads the next tile's while it works on its own
-            offs_n = lo + tl.arange(0, BLOCK_N)
-            page_next = tl.load(bt + offs_n // PAGE, mask=offs_n < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < hi
-            if AHEAD:
-                page = page_next
-                ahead = offs_n + BLOCK_N
-                page_next = tl.load(bt + ahead // PAGE, mask=ahead < hi, other=0)
-            else:
-                page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
+            page = tl.load(bt + offs_n // PAGE, mask=nmask, other=0)
             if not OFF32:  # 32-bit offsets where the layer's pool has < 2^31 elements: fewer instructions
                 page = page.to(tl.int64)
             tok = page * stride_cpage + (offs_n % PAGE) * stride_ctok
@@ -131,16 +123,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int, num_splits: int | None = None,
                            out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                            num_stages: int = 3, head_first: bool = True,
-                           offsets32: bool = False, pages_ahead: bool = False, pdl: bool = False) -> torch.Tensor:
+                           offsets32: bool = False, pdl: bool = False) -> torch.Tensor:
     """One new token per sequence attends to its whole context (new token included, already in the pool).
 
     ``q``: ``[S, H, D]`` (unit last stride); ``k_cache``/``v_cache``: ``[num_blocks, page, KVH, D]`` views
     with a unit last stride (either pool layout of ``PagedKvCache``; ``v`` strided as ``k``);
     ``block_tables``: ``[S, max_blocks]`` int; ``context_lens``: ``[S]`` int (0: the row is padding, output
     0); ``max_context``: an upper bound on ``context_lens`` (sizes the split); ``pdl``: programmatic dependent
-    launches (see ``kernels.gemv``); ``pages_ahead``: each step of the context loop loads the next tile's
-    block-table entries while it reads its own tile (the K/V loads then do not wait on a table lookup).
-    Returns ``[S, H, D]``."""
+    launches (see ``kernels.gemv``). Returns ``[S, H, D]``."""
     S, H, D = q.shape
     _, page, KVH, _ = k_cache.shape
     if out is None:
@@ -170,7 +160,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), sps, sph, spsp, splits,
         PAGE=page, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK_N=block_n, DIRECT=splits == 1,
         PRECISION=precision, HEAD_FIRST=head_first,
-        OFF32=bool(offsets32) and k_cache.numel() < 2**31, AHEAD=pages_ahead, PDL=pdl,
+        OFF32=bool(offsets32) and k_cache.numel() < 2**31, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
