@@ -85,7 +85,7 @@ class TokenGaps:
     def __init__(self) -> None:
         self.values = array("d")  # single gaps
         self.counts = array("q")
-        self.steps: list[np.ndarray] = []  # each launch's step ends
+        self.steps: list[np.ndarray | array] = []  # each launch's step ends
         self.step_lens = array("q")  # ... how many
         self.step_counts = array("q")  # ... and the requests that had every step
 
@@ -93,16 +93,18 @@ class TokenGaps:
         self.values.append(gap)
         self.counts.append(count)
 
-    def add_steps(self, ends: np.ndarray, count: int) -> None:
+    def add_steps(self, ends: Sequence[float], count: int) -> None:
         """The gaps between consecutive ``ends``, ``count`` times each."""
-        self.steps.append(ends)
+        # (a short stretch's ends come as a list of floats: kept as 8 bytes a step, as an array keeps them)
+        self.steps.append(array("d", ends) if type(ends) is list else ends)
         self.step_lens.append(len(ends))
         self.step_counts.append(count)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(gaps, counts)."""
         lens = np.frombuffer(self.step_lens, np.int64)
-        ends = np.concatenate(self.steps, dtype=float, casting="safe") if self.steps else np.zeros(0)
+        # (arrays of two kinds: one pass over them all, not a conversion per launch)
+        ends = np.fromiter(chain.from_iterable(self.steps), float, int(lens.sum()))
         keep = np.ones(max(ends.size - 1, 0), bool)
         keep[np.cumsum(lens)[:-1] - 1] = False  # from one launch's last step to the next launch's first
         counts = np.repeat(np.frombuffer(self.step_counts, np.int64), lens - 1)

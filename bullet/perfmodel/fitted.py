@@ -554,11 +554,12 @@ class FittedModel:
         return out
 
     def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
-                         co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
+                         co_sms=0) -> tuple[list[float] | np.ndarray, list[float] | np.ndarray]:
         """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short stretch (up to
         ``FLOAT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
         :meth:`decode_steps` does it and summed in order as ``cumsum`` does (numpy's per-call cost is the
-        larger there); the times come as a list then."""
+        larger there); both come as lists then, and stay lists through the policy's sizing, the simulator's
+        timing and the launch's result (``StepResult.step_ends``)."""
         if steps > FLOAT_STRETCH or steps < 1 or type(num_sms) is not int:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
@@ -573,7 +574,7 @@ class FittedModel:
             # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
             # co-runner scales every step by one factor, so the unscaled steps are those computed then
             times = raw[2][:steps] if f is None else [x * f for x in raw[2][:steps]]
-            return times, np.fromiter(accumulate(times), np.float64, steps)
+            return times, list(accumulate(times))
         kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
         mk = float(max_kv or (kv0 / max(1, seqs)))
@@ -604,7 +605,7 @@ class FittedModel:
             times = [x * f for x in times]
         else:
             times = times[:]
-        return times, np.fromiter(accumulate(times), np.float64, steps)
+        return times, list(accumulate(times))
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
         """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
