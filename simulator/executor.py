@@ -15,6 +15,7 @@ used before; simpy's generality cost about a tenth of a simulation's time.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
@@ -26,6 +27,29 @@ from bullet.perfmodel import LatencyModel, Work
 from bullet.perfmodel.base import CachedLatency, batch_work, step_ends
 
 
+def interp(xs: list[float], ps: list[float], ts: list[float]) -> list[float]:
+    """``np.interp(xs, ps, ts).tolist()`` for non-decreasing ``ps`` and finite values, in plain floats: numpy's
+    operations (its C loop: the last ``j`` with ``ps[j] <= x``, ``ts[j]`` where ``ps[j] == x`` or ``j`` is the
+    last, else ``(ts[j+1] - ts[j]) / (ps[j+1] - ps[j]) * (x - ps[j]) + ts[j]``), so the same numbers. A fused
+    launch re-timed on the way maps its ~10 step ends through it: np.interp's wrapper and array conversions cost
+    more than the loop there (bench/RESULTS.md, tenth speed pass)."""
+    last = len(ps) - 1
+    lo, hi = ps[0], ps[last]
+    out = []
+    for x in xs:
+        if x > hi:
+            out.append(ts[last])
+        elif x < lo:
+            out.append(ts[0])
+        else:
+            j = bisect_right(ps, x) - 1
+            if j == last or ps[j] == x:
+                out.append(ts[j])
+            else:
+                out.append((ts[j + 1] - ts[j]) / (ps[j + 1] - ps[j]) * (x - ps[j]) + ts[j])
+    return out
+
+
 @dataclass(slots=True, eq=False)
 class _Flight:
     batch: Batch
@@ -33,7 +57,8 @@ class _Flight:
     sms: int  # the batch's partition size
     steps: int  # the batch's fused steps
     start: float
-    cum: np.ndarray | None = None  # a fused launch: each step's end, seconds after start at the first rate
+    cum: list[float] | np.ndarray | None = None  # a fused launch: each step's end, seconds after start at the
+    # first rate (a list for a short stretch: CachedLatency.step_ends)
     duration: float = 0.0  # at the current rate
     progress: float = 0.0  # fraction done at ``mark``
     mark: float = 0.0
@@ -127,7 +152,7 @@ class SimExecutor:
         """(Re)compute ``f``'s end next to ``co`` (on ``co_sms`` SMs; None: alone) from ``now`` on."""
         if f.steps > 1:
             cum = self._step_ends(f.work, f.steps, f.sms, co, co_sms)
-            duration = cum.item(-1)
+            duration = float(cum[-1])
             if f.cum is None:
                 f.cum = cum
         else:
@@ -167,12 +192,18 @@ class SimExecutor:
         if f.cum is None:
             ends = (end,)
         elif f.knots is None:
-            ends = f.start + f.cum
+            start = f.start
+            ends = [start + c for c in f.cum] if type(f.cum) is list else start + f.cum
             ends[-1] = end
         else:  # the rate changed on the way: map each step's share of the work onto the timeline
             ts = [f.start] + [t for t, _ in f.knots] + [end]
             ps = [0.0] + [p for _, p in f.knots] + [1.0]
-            ends = np.interp(f.cum / f.cum[-1], ps, ts)
+            cum = f.cum
+            if type(cum) is list:
+                total = cum[-1]
+                ends = interp([c / total for c in cum], ps, ts)
+            else:
+                ends = np.interp(cum / cum[-1], ps, ts)
             ends[-1] = end
         self._done.append(StepResult(f.batch, f.start, end, ends, None))
         if self._queued:

@@ -94,3 +94,39 @@ def test_fitted_memoised_predict_equals_a_fresh_model():
     fresh = [latency_model("fitted", SPEC, GPU).predict(*c) for c in cases[:40]]
     assert [repr(x) for x in first] == [repr(x) for x in again]
     assert [repr(x) for x in first[:40]] == [repr(x) for x in fresh]
+
+
+def test_executor_interp_is_numpys_to_the_bit():
+    """The simulator's plain-float interp (a re-timed short stretch's step ends) gives np.interp's numbers,
+    knots repeated (a re-time at the same instant) and at the ends included."""
+    from simulator.executor import interp
+
+    rng = np.random.default_rng(11)
+    for _ in range(20000):
+        k = int(rng.integers(0, 6))
+        ps = np.sort(rng.random(k))
+        if k and rng.random() < 0.2:
+            ps[int(rng.integers(0, k))] = ps[0]
+        if k and rng.random() < 0.1:
+            ps[-1] = 1.0
+        ps = [0.0, *np.sort(ps).tolist(), 1.0]
+        start = float(rng.uniform(0, 4000))
+        ts = [start, *np.sort(start + rng.random(k)).tolist(), start + float(rng.uniform(0.5, 1.5))]
+        cum = np.cumsum(rng.uniform(0.004, 0.03, int(rng.integers(1, 70))))
+        xs = cum / cum[-1]
+        assert interp(xs.tolist(), ps, ts) == np.interp(xs, ps, ts).tolist(), (ps, ts)
+
+
+def test_fitted_co_scalar_is_the_features_dict_summed():
+    """The contention slowdown without its dict of features (FittedModel._co_scalar) is Linear.scalar over
+    co_features, to the bit and in type (a numpy int co_sms gives numpy floats), for both co families."""
+    fm, rng = latency_model("fitted", SPEC, GPU), np.random.default_rng(17)
+    for _ in range(3000):
+        n = int(rng.integers(1, N))
+        co, cs = random_co(rng, n)
+        if co is None:
+            continue
+        own = float(rng.uniform(0, 5)) if rng.random() < 0.7 else 0.0
+        for family in ("co_eager", "co_decode"):
+            want = fm.f[family].scalar(fm.co_features(n, co, cs, False, own), 0)
+            assert repr(fm._co_scalar(family, n, co, cs, own)) == repr(want), (family, n, co, cs, own)

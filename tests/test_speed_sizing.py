@@ -61,7 +61,7 @@ def test_simulation_without_the_shortcut_is_identical(monkeypatch):
 
     def always_full(self, work, extra, budget, num_sms, co, co_sms):
         cum = step_ends(self.latency, work, extra + 1, num_sms, co, co_sms)
-        return min(extra, int(cum.searchsorted(budget)))
+        return min(extra, int(np.searchsorted(cum, budget)))
 
     monkeypatch.setattr(Scheduler, "_steps_before", always_full)
     for cfg, a in zip(cfgs, fast):

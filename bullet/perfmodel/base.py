@@ -140,7 +140,8 @@ def note_work(latency: LatencyModel, batch: Batch, total_layers: int, work: Work
 def step_ends(latency: LatencyModel, first: Work, steps: int, num_sms: int, co: Work | None = None,
               co_sms: int = 0) -> np.ndarray:
     """``np.cumsum(step_times(...))``: each step's end, seconds after the launch starts. Memoised by a
-    :class:`CachedLatency` (do not write into the array)."""
+    :class:`CachedLatency` (do not write into the array), which gives a short stretch's as a list of the
+    same floats."""
     if isinstance(latency, CachedLatency):
         return latency.step_ends(first, steps, num_sms, co, co_sms)
     return np.cumsum(step_times(latency, first, steps, num_sms, co, co_sms))
@@ -215,7 +216,7 @@ class CachedLatency:
         return self._steps[:steps]
 
     def step_ends(self, first: Work, steps: int, num_sms: int, co: Work | None = None,
-                  co_sms: int = 0) -> np.ndarray:
+                  co_sms: int = 0) -> list[float] | np.ndarray:
         """:func:`step_ends`, remembered for the last launch asked about: the policy sizes a launch with
         ``k_max`` steps and the simulator then times its ``k <= k_max`` (a cumulative sum's first ``k``
         entries are those of the first ``k`` steps' sum: the same numbers). Without a co-runner its SMs are
@@ -233,8 +234,8 @@ class CachedLatency:
                     times, _ = self._step_ends(tail, steps - 1, num_sms, co, co_sms)
                     self._key, self._steps = (tail, num_sms, co, co_sms), times
                     # summed in order from t0, as cumsum does (a short stretch comes as a list of floats)
-                    ends = np.fromiter(accumulate(times, initial=t0), np.float64, steps) \
-                        if type(times) is list else np.concatenate(([t0], times)).cumsum()
+                    ends = list(accumulate(times, initial=t0)) if type(times) is list \
+                        else np.concatenate(([t0], times)).cumsum()
             elif self._step_ends is not None:  # a decode launch: the model sums its steps (and keeps them)
                 self._key, (self._steps, ends) = key, self._step_ends(first, steps, num_sms, co, co_sms)
             else:

@@ -112,6 +112,7 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # count held out: co-run prefill 6.5 -> 5.3 %, co-run decode 5.7 -> 4.5 % (docs/perfmodel.md).
 CO_EAGER_Q = CO_Q + ("own_bw_co_bw",)
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
+CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm")  # every contention quantity (FittedModel.co_features)
 SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
 
 
@@ -435,7 +436,7 @@ class FittedModel:
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
-        self._demand: dict[tuple, Any] = {}
+        self._demand: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its HBM demand, TB/s
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
@@ -447,6 +448,10 @@ class FittedModel:
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
         self._sm_only = {name for name in ("co_decode", "co_eager")
                          if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw"}}
+        # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
+        self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
+                          for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
+                          if set(lin.quantities) <= set(CO_FEATURES)}
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
         self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
@@ -554,11 +559,12 @@ class FittedModel:
         return out
 
     def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
-                         co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
+                         co_sms=0) -> tuple[list[float] | np.ndarray, list[float] | np.ndarray]:
         """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short stretch (up to
         ``FLOAT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
         :meth:`decode_steps` does it and summed in order as ``cumsum`` does (numpy's per-call cost is the
-        larger there); the times come as a list then."""
+        larger there); both come as lists then, and stay lists through the policy's sizing, the simulator's
+        timing and the launch's result (``StepResult.step_ends``)."""
         if steps > FLOAT_STRETCH or steps < 1 or type(num_sms) is not int:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
@@ -573,7 +579,7 @@ class FittedModel:
             # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
             # co-runner scales every step by one factor, so the unscaled steps are those computed then
             times = raw[2][:steps] if f is None else [x * f for x in raw[2][:steps]]
-            return times, np.fromiter(accumulate(times), np.float64, steps)
+            return times, list(accumulate(times))
         kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
         mk = float(max_kv or (kv0 / max(1, seqs)))
@@ -604,7 +610,7 @@ class FittedModel:
             times = [x * f for x in times]
         else:
             times = times[:]
-        return times, np.fromiter(accumulate(times), np.float64, steps)
+        return times, list(accumulate(times))
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
         """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
@@ -702,14 +708,33 @@ class FittedModel:
             u = np.where(on, self.q.bytes_of(co) / self._co_alone_array(co, np.maximum(csm, 1)) * 1e-12, 0.0)
             return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N, "own_bw_co_bw": own * u,
                     "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N)}
+        u = self._co_demand(co, co_sms)
+        return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
+                "sm_bw_co_sm": sm_bw[n] * (co_sms / N)}
+
+    def _co_demand(self, co: Work, co_sms: int) -> float:
+        """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s, memoised for the last few co-runners
+        (asked again within one or two calls when at all: bench/RESULTS.md, tenth speed pass)."""
         key = (co, co_sms)
         u = self._demand.get(key)
         if u is None:
-            if len(self._demand) >= 8192:
+            if len(self._demand) >= 64:
                 self._demand.clear()
             u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
-        return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
-                "sm_bw_co_sm": sm_bw[n] * (co_sms / N)}
+        return u
+
+    def _co_scalar(self, family: str, n: int, co: Work, co_sms, own: float) -> float:
+        """``self.f[family].scalar(self.co_features(n, co, co_sms, False, own), 0)``: the same features, summed
+        in the family's order, without building their dict."""
+        terms = self._co_terms.get(family)
+        if terms is None:
+            return self.f[family].scalar(self.co_features(n, co, co_sms, False, own), 0)
+        u, N = self._co_demand(co, co_sms), self.num_sms
+        x = (u, u * (n / N), co_sms / N, own * u, (self._sm_bw_table or self._sm_bw())[n] * (co_sms / N))
+        s = 0.0
+        for i, w in terms:
+            s += x[i] * w
+        return s
 
     def _sm_bw(self) -> list[float]:
         """TB/s a reference decode step (:data:`SM_BW_REF`) pulls on each SM count (index), from the model's
@@ -751,10 +776,13 @@ class FittedModel:
                 s = self._slow[key] = self.f[family].scalar(
                     {"co_sm_share": co_sms / N, "sm_bw_co_sm": self._sm_bw()[n] * (co_sms / N)}, 0)
             return s
+        if family == "co_eager":  # not memoised: an eager launch's co-runner is a decode stretch, a new Work each
+            # step (0-10 % of asks hit such a memo, each within two asks: bench/RESULTS.md, tenth speed pass)
+            return self._co_scalar(family, n, co, co_sms, own)
         key = (family, n, co, co_sms, type(co_sms), own)  # the type too: an int and a numpy int give other types
         s = self._slow.get(key)
         if s is None:  # memoised: the same co-runner is asked about step after step
             if len(self._slow) >= 65536:
                 self._slow.clear()
-            s = self._slow[key] = self.f[family].scalar(self.co_features(n, co, co_sms, arr, own), 0)
+            s = self._slow[key] = self._co_scalar(family, n, co, co_sms, own)
         return s

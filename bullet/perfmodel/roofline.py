@@ -279,11 +279,11 @@ class RooflineModel:
         return att
 
     def decode_step_ends(self, work: Work, steps: int, num_sms, co: Work | None = None,
-                         co_sms=0) -> tuple[list[float] | np.ndarray, np.ndarray]:
+                         co_sms=0) -> tuple[list[float] | np.ndarray, list[float] | np.ndarray]:
         """``(decode_steps(...), np.cumsum of it)``, the same numbers. A short memory-bound stretch (up to
         ``SHORT_STRETCH`` steps: most fused launches) is computed in plain floats, element by element as
         :meth:`decode_steps` does it and summed in order as ``cumsum`` does: numpy's per-call cost is the
-        larger there. The times come as a list then."""
+        larger there. Both come as lists then."""
         if steps > SHORT_STRETCH or steps < 1:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
@@ -294,7 +294,7 @@ class RooflineModel:
             return times, times.cumsum()
         L = float(work.num_layers)
         times = [((kvb * (kv0 + i * seqs) + row) * inv_bw) * L + rest for i in range(steps)]
-        return times, np.fromiter(accumulate(times), np.float64, steps)
+        return times, list(accumulate(times))
 
     def _decode_setup(self, work: Work, num_sms, co: Work | None, co_sms) -> tuple[int, float, float, float]:
         """(SMs, compute slowdown, seconds per byte, everything but attention) of a decode step of ``work``."""

@@ -453,10 +453,10 @@ class Scheduler:
                 cum = step_ends(self.latency, work, guess, num_sms, co, co_sms)
                 within = bisect_left(cum, budget)  # (cum.searchsorted(budget), without numpy's call cost)
                 if within < guess:
-                    self._step_s = cum.item(-1) / guess
+                    self._step_s = float(cum[-1]) / guess
                     return min(extra, within)
         cum = step_ends(self.latency, work, steps, num_sms, co, co_sms)
-        self._step_s = cum.item(-1) / steps
+        self._step_s = float(cum[-1]) / steps
         return min(extra, bisect_left(cum, budget))
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
