@@ -82,6 +82,26 @@ def test_step_loan_by_hand():
     assert make(SloConfig(tpot=None))[0].step_loan(reqs, 0.8) == math.inf
 
 
+def test_a_job_runs_its_rest_at_once_when_nothing_can_change_before_it_ends():
+    """Slices let the split and the order be re-decided between them; with nobody waiting and no arrival due
+    before the job's predicted end nothing can change them, so the rest of the job is one launch. LinearLatency:
+    request 1's 3000-token job takes (2e-3 + 0.03) s on the whole GPU, over 0.03 s on what decode leaves."""
+    slo = SloConfig(ttft=None, tpot=0.05)
+    def lone():
+        return [Request(0, 0.0, 2000, 2000), Request(1, 1.0, 3000, 5)]
+
+    _, steps, _ = run(lone(), slo, layers_per_step=8)
+    job1 = [s for s in steps if s.batch.lane == "prefill" and s.batch.chunks[0].req_id == 1]
+    assert [s.batch.layers for s in job1] == [range(L)] and job1[0].batch.partition.num_sms < 132
+    # request 2 arrives 10 ms into request 1's job: that job keeps 8-layer slices (the arrival is due before its
+    # end; then request 2 waits behind it); request 2's own job, nobody behind it, is one launch
+    _, steps, _ = run(lone() + [Request(2, 1.01, 3000, 5)], slo, layers_per_step=8)
+    job1 = [s for s in steps if s.batch.lane == "prefill" and s.batch.chunks[0].req_id == 1]
+    job2 = [s for s in steps if s.batch.lane == "prefill" and s.batch.chunks[0].req_id == 2]
+    assert [s.batch.layers for s in job1] == [range(i, i + 8) for i in range(0, L, 8)]
+    assert [s.batch.layers for s in job2] == [range(L)]
+
+
 def test_decode_size_is_the_smallest_that_keeps_tpot():
     """LinearLatency: a step of n rows reading kv tokens takes (2e-3 + 1e-5 n + 1e-7 kv) * 132 / d seconds,
     times ``contention`` next to a co-runner. 40 rows with 1000 tokens each: 6.4 ms * 132 / d."""
@@ -122,7 +142,11 @@ def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
     assert lone and {s.batch.partition.num_sms for s in lone} == {132}
     co = [s for s in steps if s.batch.lane == "prefill" and s.start >= 1.0]
     assert co and all(s.batch.partition.num_sms < 132 for s in co)
-    assert all(len(s.batch.layers) == 8 for s in co)  # next to decode: 8-layer slices
+    # next to decode: 8-layer slices while requests wait behind the job (each prompt is a job of its own: the
+    # token target is 4096); the last job, with nobody behind it and no arrival to come, is one launch
+    last = max(s.batch.chunks[0].req_id for s in co)
+    assert all(len(s.batch.layers) == 8 for s in co if s.batch.chunks[0].req_id != last)
+    assert [s.batch.layers for s in co if s.batch.chunks[0].req_id == last] == [range(L)]
     r0 = next(r for r in done if r.id == 0)
     tpot = (r0.finish_time - r0.first_token_time) / (r0.num_output - 1)
     assert tpot <= 0.05
@@ -507,8 +531,8 @@ def test_whole_gpu_prefill_when_the_split_misses_the_deadline(ttft):
     * 0.9 <= 90 ms) and the whole GPU meets it (t + 82.8 ms <= 0.585 s), and request 0 can wait 82.8 + ~2 ms
     for its next token (its room: 0.05 * 1999 - ~0.5 - ~1755 * 0.0475 = ~16 s): request 1 runs at once on the
     132 SMs, decode waiting, and meets its target, where 8-layer slices on 124 SMs would miss it by ~10 ms.
-    Request 2's deadline is also 0.6 s: from 0.585 s even the whole GPU misses it, so it runs in slices next
-    to decode. With a 200 ms target the split meets request 1's ((0.7 - t) * 0.9 >= 178 ms): slices on 124."""
+    Request 2's deadline is also 0.6 s: from 0.585 s even the whole GPU misses it, so it runs next to decode
+    (nobody behind it and no arrival to come: its whole job in one launch). With a 200 ms target the split meets request 1's ((0.7 - t) * 0.9 >= 178 ms): slices on 124."""
     reqs = [Request(0, 0.0, 100, 2000), Request(1, 0.5, 8000, 10), Request(2, 0.5, 8000, 10)]
     lat = LinearLatency(L, contention=1.25)
     sched, _ = make(SloConfig(ttft=ttft, tpot=0.05), lat=lat)
@@ -523,7 +547,7 @@ def test_whole_gpu_prefill_when_the_split_misses_the_deadline(ttft):
         assert first.end - first.start == pytest.approx(2e-3 + 8000e-5 + 8000e-7)
         assert not [s for s in steps if s.batch.lane == "decode" and s.start < first.end and s.end > first.start]
         assert r1.first_token_time - r1.arrival <= 0.1
-        assert all(s.batch.partition.num_sms < 132 and len(s.batch.layers) == 8 for s in pre[2])
+        assert [(s.batch.partition.num_sms < 132, s.batch.layers) for s in pre[2]] == [(True, range(L))]
     else:
         assert [(s.batch.partition.num_sms, len(s.batch.layers)) for s in pre[1]] == [(124, 8)] * 4
         assert r1.first_token_time - r1.arrival <= 0.2

@@ -23,7 +23,11 @@ re-split at every launch of either lane:
 * **Prefill gets the rest**, without chunking: whole prompts, batched up to the token count where the model
   says a bigger batch stops paying (``token_target``: per-token time within 5 % of the best), advanced
   ``layers_per_step`` layers per launch (8 by default) so SMs can move between slices. A prompt longer
-  than the target runs alone.
+  than the target runs alone. With nobody waiting and no arrival due before the job's predicted end (the
+  planning horizon: the next arrival in a trace replay, a window ahead live), nothing can change the split
+  or the order before the job ends, so the rest of the job is one launch: on the Azure conversation trace
+  a third fewer launches (each pays the engine's host gap), capacity within the simulation's noise in
+  every cell of the policy study (bench/RESULTS.md).
 * **The whole GPU for a job the split would make late** (``_whole_gpu``): when the rest of the job, on what
   decode leaves it and next to decode, would miss the earliest TTFT deadline among its requests (with
   ``slo_margin``) but meets it on the whole GPU, and every decoding request can lend the stall from its TPOT
@@ -335,7 +339,7 @@ class Bullet(LayerSliced):
         return {"jobs_set_aside": self.num_paused, "requests_deferred": self.num_shed}
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
-        return self._schedule_prefill(now) if lane == "prefill" else self._schedule_decode(now, horizon)
+        return self._schedule_prefill(now, horizon) if lane == "prefill" else self._schedule_decode(now, horizon)
 
     def _part(self, lane: Lane, n: int) -> Partition:
         part = self._parts.get((lane, n))
@@ -345,7 +349,7 @@ class Bullet(LayerSliced):
         dec = self.inflight.get("decode")
         return dec[0].partition.num_sms if dec else 0
 
-    def _schedule_prefill(self, now: float) -> Batch | None:
+    def _schedule_prefill(self, now: float, horizon: float | None = None) -> Batch | None:
         d_cur = self._decode_sms()
         if d_cur >= self.N:
             return None  # decode holds the whole GPU until the next event; then the split is decided afresh
@@ -381,10 +385,14 @@ class Bullet(LayerSliced):
             if self._predicted_decode_end() - now < WAIT_FOR_DECODE * float(self.latency.predict(work, p)):
                 return None
             p = self.N - d_cur
-        batch = Batch(self._part("prefill", p), layers, chunks)
-        note_work(self.latency, batch, L, work)
         dec = self.inflight.get("decode")
         co = batch_work(self.latency, dec[0], L) if dec else None  # the simulator asks for it too
+        if layers.stop < L and not self.waiting:  # nothing to re-decide before the job ends: its rest at once
+            rest = self._job_work(range(first, L))
+            if horizon is None or now + float(self.latency.predict(rest, p, co, d_cur)) <= horizon:
+                layers, work = range(first, L), rest
+        batch = Batch(self._part("prefill", p), layers, chunks)
+        note_work(self.latency, batch, L, work)
         self.prefill_until = now + float(self.latency.predict(work, p, co, d_cur))
         self._slice_work = work
         return self._launch("prefill", batch, reqs)
