@@ -2,7 +2,7 @@
 
 Capacity = the highest request rate at which >= 90 % of requests meet both SLOs (DistServe's goodput
 definition), by bisection over each trace rescaled to each rate (``simulator/capacity.py``). Policies: bullet
-(and bullet with its opt-in ``overload_deferral``, reported beside it, never counted as a baseline);
+(and bullet without its default ``overload_deferral``, reported beside it, never counted as a baseline);
 chunked prefill at 512, 1024, 2048 and 8192 tokens; prefill-first; static-split at every other prefill size of
 the nested menu (the best one is reported); naive-concurrent. Two SLO sets: the Bullet paper's (TTFT per
 prompt token 3.0 / 1.5 / 1.5 ms and TPOT 150 / 200 / 175 ms for sharegpt / azure-code / arxiv) and a tight
@@ -44,7 +44,7 @@ def slo_of(trace: str, slo_set: str) -> SloConfig:
 
 def policies() -> dict[str, SchedulerConfig]:
     out = {"bullet": SchedulerConfig(policy="bullet"),
-           "bullet-deferral": SchedulerConfig(policy="bullet", overload_deferral=True)}
+           "bullet-no-deferral": SchedulerConfig(policy="bullet", overload_deferral=False)}
     for t in (512, 1024, 2048, 8192):
         out[f"chunked-{t}"] = SchedulerConfig(policy="chunked", max_batched_tokens=t)
     out["prefill-first"] = SchedulerConfig(policy="prefill-first")
@@ -191,8 +191,8 @@ def main() -> None:
 
     print(f"\nCapacity (req/s at >= 90 % SLO attainment), {args.num_requests} requests per run, latency model "
           f"{args.latency}, {time.perf_counter() - t0:.0f} s on {args.jobs} processes\n")
-    cols = ["bullet", "bullet-deferral", "chunked-512", "chunked-1024", "chunked-2048", "chunked-8192", "prefill-first",
-            "best static", "naive-concurrent", "bullet / best baseline", "with deferral"]
+    cols = ["bullet", "bullet-no-deferral", "chunked-512", "chunked-1024", "chunked-2048", "chunked-8192", "prefill-first",
+            "best static", "naive-concurrent", "bullet / best baseline", "without deferral"]
     print("| trace | SLOs | " + " | ".join(cols) + " |")
     print("|---|---|" + "---:|" * len(cols))
     for t, s in combos:
@@ -201,7 +201,7 @@ def main() -> None:
         cells = [f"{caps[t, s, n]:.2f}" for n in cols[:7]]
         cells += [f"{caps[t, s, static]:.2f} ({static.split('-')[1]} SMs)", f"{caps[t, s, 'naive-concurrent']:.2f}",
                   f"**{caps[t, s, 'bullet'] / best:.2f}x**" if best else "inf",
-                  f"{caps[t, s, 'bullet-deferral'] / best:.2f}x" if best else "inf"]
+                  f"{caps[t, s, 'bullet-no-deferral'] / best:.2f}x" if best else "inf"]
         print(f"| {t} | {s} | " + " | ".join(cells) + " |")
     print("\nAt three rates (fractions of the best baseline's capacity): goodput (req/s), TTFT p90 and TPOT p90 (ms)\n")
     print("| trace | SLOs | rate | policy | attainment | goodput | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |")

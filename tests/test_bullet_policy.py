@@ -229,14 +229,16 @@ def test_no_job_is_set_aside_for_a_request_past_its_key(rate):
 
 def test_no_starvation_with_requests_shed_on_arrival():
     """Over 17 s of an overload (60 req/s: 1.74 s of whole-GPU work a second by LinearLatency, over
-    SHED_CAPACITY and under SHED_DEEP), the costliest arrivals are shed (deferred on arrival) and they too are
-    ordered by key(r) = arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
+    SHED_CAPACITY and under SHED_DEEP) on 32 seats (so that SHED_SEATS of them are taken: outputs of 1-60 tokens
+    never fill 256), the costliest arrivals are shed (deferred on arrival) and they too are ordered by key(r) =
+    arrival + (1 + LATE_GRACE) * target: nobody arriving after that is served first."""
     slo = SloConfig(ttft=0.2, tpot=1.0)
     reqs = overload(0, n=1000, rate=60.0)
-    done, _, sched = run(reqs, slo, max_batched_tokens=2048, overload_deferral=True)
+    done, _, sched = run(reqs, slo, max_batched_tokens=2048, max_num_seqs=32)  # (on by default)
     assert sched.num_shed > 10
-    _, _, default = run(overload(0, n=1000, rate=60.0), slo, max_batched_tokens=2048)
-    assert default.num_shed == 0  # off unless asked for (--overload-deferral)
+    _, _, off = run(overload(0, n=1000, rate=60.0), slo, max_batched_tokens=2048, max_num_seqs=32,
+                    overload_deferral=False)
+    assert off.num_shed == 0  # --no-overload-deferral
     assert_nobody_after_key_first(reqs, done, 0.2)
 
 
@@ -635,7 +637,17 @@ def test_whole_work_by_hand():
     assert sched._whole_work(Request(0, 0.0, 1000, 100)) == pytest.approx(0.02438125)
 
 
-def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
+@pytest.fixture
+def no_seat_gate(monkeypatch):
+    """The window's arithmetic alone: deferral whatever the seats and the prompt's share (SHED_SEATS and
+    SHED_PROMPT_SHARE have their own tests)."""
+    from bullet.policies import bullet as mod
+
+    monkeypatch.setattr(mod, "SHED_SEATS", 0.0)
+    monkeypatch.setattr(mod, "SHED_PROMPT_SHARE", 0.0)
+
+
+def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window(no_seat_gate):
     """SHED_WINDOW 10 s, SHED_CAPACITY 1.15, SHED_DEEP 1.8. Four 20000-token prompts with 1000 output tokens
     (2.2718 s of whole-GPU work each: 204 ms of prompt, 1000 x 529.36 / 256 ms of decode) arrive at 0, 2.5, 5
     and 7.5 s: none is deferred (before 5 s the window spans less than half of 10 s; later nothing is cheaper
@@ -662,7 +674,7 @@ def test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window():
     assert sched._shed == {6}
 
 
-def test_a_deep_burst_defers_nobody():
+def test_a_deep_burst_defers_nobody(no_seat_gate):
     """The same arrivals closer together: six 2.2718 s requests at 0..5 s, then the 2.2739 s one at 5 s. The
     window carries 6 x 2.2718 + 2.2739 = 15.9047 s over 5 s, 3.18 a second: more than SHED_DEEP (1.8 x 5 =
     9 s), a burst that deferring the costliest few cannot bring under SHED_CAPACITY (deferred, they would wait
@@ -674,7 +686,7 @@ def test_a_deep_burst_defers_nobody():
     assert sched._shed == set() and sched.num_shed == 0
 
 
-def test_deferred_requests_rejoin_the_queue_after_a_lull():
+def test_deferred_requests_rejoin_the_queue_after_a_lull(no_seat_gate):
     """The overload of the first test above, TTFT target 10 s (deadlines: arrival + 10). LinearLatency
     prefills a 20000-token prompt in 0.2 s on the whole GPU (2 ms + 10 us a token; no decode runs). Ordered
     at 9 s, the last SHED_LULL (5 s) of arrivals, at 7.5 s (two: 2.2718 + 2.2739 s), carry more than
@@ -696,3 +708,37 @@ def test_deferred_requests_rejoin_the_queue_after_a_lull():
     sched._order(13.0)
     assert sched._shed == set()
     assert [r.id for r in sched.waiting] == [2, 3, 4, 0, 1]
+
+
+def test_nobody_is_deferred_while_seats_are_free(monkeypatch):
+    """The overload of test_costliest_arrival_deferred_when_cheaper_ones_fill_the_window (request 6 at 7.5 s: an
+    excess of 2.7361 s that holds its 2.2739 s), with 8 seats and SHED_SEATS = 3/4 of them: with 5 running
+    (5 < 6) nobody is deferred, with 6 running (6 >= 6) request 6 is (the prompt's share aside: its own test)."""
+    from bullet.policies import bullet as mod
+
+    assert mod.SHED_SEATS == 0.75
+    monkeypatch.setattr(mod, "SHED_PROMPT_SHARE", 0.0)
+    for running, shed in ((5, set()), (6, {6})):
+        sched, _ = make(SloConfig(ttft=1.0, tpot=None), max_num_seqs=8)
+        sched.running = [decoding(100 + i, 1, 0.0, 50, 100) for i in range(running)]
+        for i in range(4):
+            sched.add(Request(i, 2.5 * i, 20000, 1000))
+        sched.add(Request(6, 7.5, 20000, 1001))
+        assert sched._shed == shed and sched.num_shed == len(shed)
+
+
+def test_a_decode_heavy_request_is_not_deferred(no_seat_gate, monkeypatch):
+    """The same overload. Request 6's prompt (20000 tokens) costs 0.204 s on the whole GPU and its 1001 output
+    tokens 1001 x 0.52936 / 256 = 2.0699 s: the prompt is 0.0986 of its decode share. With SHED_PROMPT_SHARE at
+    0.5 (the default) it is not deferred; at 0.09 (0.204 >= 0.09 x 2.0699 = 0.1863) it is."""
+    from bullet.policies import bullet as mod
+
+    for share, shed in ((0.5, set()), (0.09, {6})):
+        monkeypatch.setattr(mod, "SHED_PROMPT_SHARE", share)
+        sched, _ = make(SloConfig(ttft=1.0, tpot=None))
+        assert sched._work_parts(Request(6, 7.5, 20000, 1001)) == (pytest.approx(0.204),
+                                                                   pytest.approx(1001 * 0.52936 / 256))
+        for i in range(4):
+            sched.add(Request(i, 2.5 * i, 20000, 1000))
+        sched.add(Request(6, 7.5, 20000, 1001))
+        assert sched._shed == shed

@@ -50,16 +50,19 @@ re-split at every launch of either lane:
   predicted to miss is rejected instead, on arrival (behind the job in flight and the queued prompts due
   before it) or when the queue is next ordered (``Request.error``; counted against attainment). Priority for
   KV is admission order (``base.py``), so the no-livelock guarantee holds under this order too.
-* **Overload sheds the costliest arrivals** (``_shed_on_arrival``, opt-in: ``overload_deferral``; sharegpt
-  paper capacity 1.25x -> 1.33x the best baseline, bench/RESULTS.md): a request is deferred on arrival -- put in
+* **Overload sheds the costliest arrivals** (``_shed_on_arrival``, on by default: ``overload_deferral``;
+  bench/RESULTS.md): a request is deferred on arrival -- put in
   the late set, keyed like every late request (deadline + ``LATE_GRACE`` targets, so the starvation bound
   holds) -- when the last ``SHED_WINDOW`` of arrivals cheaper than it in whole-GPU work already carry more
   than ``SHED_CAPACITY`` times their span, but not more than ``SHED_DEEP`` times it (a deeper overload is a
   burst that deferring a few cannot carry: deferred, they would wait it out behind the queue while the GPU,
-  once it ends, would have served most of them). Deferred requests rejoin the queue when the arrivals of the
-  last ``SHED_LULL`` seconds carry at most ``SHED_LULL_LOAD`` of work a second (``_lull``): the overload is
-  over. The queue's snapshot does not see the decode work that holds the seats; the fewest miss when the
-  costliest wait. It still costs attainment at some rates, so it stays off by default (bench/RESULTS.md).
+  once it ends, would have served most of them), at least ``SHED_SEATS`` of the seats are taken (what a
+  deferral buys is seats for later arrivals; with seats free it buys nothing), and its prompt is at least
+  ``SHED_PROMPT_SHARE`` of its decode share (decode beside prefill is nearly free: deferring a decode-heavy
+  request frees little). Deferred requests rejoin the
+  queue when the arrivals of the last ``SHED_LULL`` seconds carry at most ``SHED_LULL_LOAD`` of work a second
+  (``_lull``): the overload is over. The queue's snapshot does not see the decode work that holds the seats;
+  the fewest miss when the costliest wait.
 """
 
 from __future__ import annotations
@@ -92,6 +95,19 @@ SHED_CAPACITY = 1.15  # ... and the whole-GPU seconds of work one second is take
 SHED_DEEP = 1.8  # ... no deferral when they carry more than this a second: a burst deferring cannot carry
 SHED_LULL = 5.0  # deferred requests rejoin the queue when the arrivals of this many seconds ...
 SHED_LULL_LOAD = 0.5  # ... carry at most this many whole-GPU seconds of work a second (the overload ended)
+# ... and nobody is deferred while fewer than this fraction of max_num_seqs run: a deferral buys seats for later
+# arrivals, and with seats free admitting the costly request takes nothing from them. The seat-scarcity level
+# BORROW_SEATS already uses (bench/RESULTS.md, bench/overload_check.py; before SHED_PROMPT_SHARE): sharegpt paper
+# capacity 11.88 / 12.00 / 11.38 req/s at 0.6 / 0.75 / 0.9 on the study's window, 13.25 / 13.25 / 13.00 and 12.12 /
+# 12.25 / 12.38 on requests 1000-1999 and 2000-2999; without the gate 400-request bursts at 16 req/s lost 0.6-1.6
+# points of attainment (mean of 7 rates 0.1 % apart, on 4 of 5 windows), with it none
+SHED_SEATS = BORROW_SEATS
+# ... nor a request whose prompt costs less than this fraction of its decode share (whole-GPU seconds, _work_parts):
+# beside a prefill, decode runs on a few SMs at little cost to it, so deferring a decode-heavy request frees less
+# than its whole-GPU work says (arxiv paper: deferring 2-4 k-token outputs behind 1-800-token prompts cost 0.09-0.33
+# req/s of capacity on three windows; at 1.0 / 0.5 sharegpt paper kept +0.12 / +0.58 req/s of its gain on the
+# study's window, +0.21 / +0.54 on requests 1000-1999, arxiv none lost: means of 3 bisections)
+SHED_PROMPT_SHARE = 0.5
 ARRAYS_FROM = 64  # running requests from which the view reads DecodeArrays (a Python pass is faster below)
 ARRAYS_UNTIL = 16  # ... and at or under which the arrays are dropped (kept up to date only while worth it)
 
@@ -277,13 +293,18 @@ class Bullet(LayerSliced):
         return self.deadline[req_id] + LATE_GRACE * self.target[req_id]
 
     def _whole_work(self, req: Request) -> float:
-        """Whole-GPU seconds ``req`` asks for: its prompt alone, then its output tokens at their share of a
-        full-seat decode step at its mean KV."""
+        """Whole-GPU seconds ``req`` asks for (:meth:`_work_parts`, summed)."""
+        pre, dec = self._work_parts(req)
+        return pre + dec
+
+    def _work_parts(self, req: Request) -> tuple[float, float]:
+        """Whole-GPU seconds of ``req``'s prompt alone and of its output tokens at their share of a full-seat
+        decode step at its mean KV."""
         L, N, n, out = self.model.num_layers, self.N, req.known, req.max_new_tokens
         pre = float(self.latency.predict(Work(L, n, 1, n * (n + 1) / 2, n, 1, True, n), N))
         S, K = self.cfg.max_num_seqs, n + out // 2
         step = float(self.latency.predict(Work(L, S, S, float(S * K), S * K, S, True, K), N))
-        return pre + out * step / S
+        return pre, out * step / S
 
     def _shed_on_arrival(self, req: Request) -> bool:
         """Whether ``req`` is deferred on arrival: the arrivals of the last SHED_WINDOW seconds (``req`` and
@@ -298,14 +319,22 @@ class Bullet(LayerSliced):
         req/s: output tokens drain at 61 ms a token on 256 seats, 9.7 requests a second). No deferral when
         the window carries more than SHED_DEEP times its span: the costliest tenth of sharegpt's requests
         carry about a quarter of its work, so deferring a few cannot bring such a load under SHED_CAPACITY,
-        and on a burst of that depth (400 requests at 16-20 req/s) deferral cost 2-9 points of attainment."""
-        c = self._whole_work(req)
+        and on a burst of that depth (400 requests at 16-20 req/s) deferral cost 2-9 points of attainment. No
+        deferral either while fewer than SHED_SEATS of the seats are taken: what a deferral buys is seats for
+        the arrivals behind it (a costly request holds one for tens of seconds), and with seats free it takes
+        nothing from them (at the start of a 400-request burst at 16 req/s, requests deferred with a quarter of
+        the seats free would have been served within 1-5 s; deferred, they waited out the burst and missed).
+        Nor a request whose prompt costs less than SHED_PROMPT_SHARE of its decode share: its decode runs
+        beside prefill on the few SMs the split leaves it, nearly free, so deferring it frees little (arxiv)."""
+        pre, dec = self._work_parts(req)
+        c = pre + dec
         recent = self._recent
         recent.append((req.arrival, c))
         while recent and recent[0][0] <= req.arrival - SHED_WINDOW:
             recent.popleft()
         span = req.arrival - recent[0][0]
-        if span < SHED_WINDOW / 2:
+        if span < SHED_WINDOW / 2 or len(self.running) < SHED_SEATS * self.cfg.max_num_seqs \
+                or pre < SHED_PROMPT_SHARE * dec:
             return False
         total = sum(w for _, w in recent)
         excess = total - SHED_CAPACITY * span
