@@ -58,6 +58,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _swiglu(gate, up, DTYPE: tl.constexpr):
+        """silu(gate) * up of the fp32 sums, each rounded to the model dtype first (as the unfused path)."""
+        g = gate.to(DTYPE).to(tl.float32)
+        u = up.to(DTYPE).to(tl.float32)
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
     def _skinny_kernel(X, W, Y, R, P, M, N, K, k_per, stride_xm, stride_wn, stride_ym, stride_rm, stride_pk,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr,
                        RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -104,9 +111,7 @@ if HAVE_TRITON:
         else:
             y = acc
             if SWIGLU:
-                g = acc.to(Y.dtype.element_ty).to(tl.float32)
-                u = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-                y = g / (1.0 + tl.exp(-g)) * u
+                y = _swiglu(acc, acc_up, Y.dtype.element_ty)
             if RESIDUAL:
                 y += tl.load(R + offs_m[None, :] * stride_rm + offs_n[:, None], mask=omask, other=0.0).to(tl.float32)
             tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty), mask=omask)
@@ -129,9 +134,7 @@ if HAVE_TRITON:
                 acc_up += tl.load(row + s * stride_pk + N, mask=mask, other=0.0)
         y = acc
         if SWIGLU:
-            g = acc.to(Y.dtype.element_ty).to(tl.float32)
-            u = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * u
+            y = _swiglu(acc, acc_up, Y.dtype.element_ty)
         if RESIDUAL:
             y += tl.load(R + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + m * stride_ym + offs, y.to(Y.dtype.element_ty), mask=mask)
