@@ -6,17 +6,8 @@
 # that partition's copy and read rates (part52), and chunked's real TTFT against the roofline's (roofline,
 # 2 min). Logs to $OUT (or ./gpu_decode_kernels). Usage on the device: `bash tools/gpu_decode_kernels.sh
 # [STEP ...]` with steps tests, skinny, attn, kernels, ncu, gputests, part52, roofline (default: the first five).
-set -o pipefail
 OUT=${OUT:-gpu_decode_kernels}
-mkdir -p "$OUT"
-source tools/device_setup.sh > "$OUT/setup.log" 2>&1
-run() {  # name, timeout seconds, command...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "   exit $? ($(tail -1 "$OUT/$name.log"))"
-}
+source tools/gpu_steps.sh  # $OUT, the machine's set-up, and run NAME SECONDS COMMAND...
 NCU="ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats"
 steps=${*:-tests skinny attn kernels ncu}
 for step in $steps; do
