@@ -16,6 +16,13 @@ Epilogues, as the unfused path computes them (fp32 accumulation, rounded where i
 - ``swiglu``: ``W`` is ``[gate; up]`` (``2I x K``); each program takes matching gate and up rows and writes
   ``silu(gate) * up`` (``I`` outputs), both products rounded to the model dtype first (as ``F.linear``
   followed by ``silu_mul``).
+
+Measured on the H200 (``bench/skinny_gemm.py``, bench/RESULTS.md, eighteenth session): on the whole GPU it ties
+cuBLAS (the gate/up product and the LM head 3-10 % faster, the three smaller products slower: their K split
+costs a second pass); on a 40-SM decode partition, where cuBLAS picks tiles for all 132 SMs, the products of a
+16-64-row step take 8-12 % less time. Both are bound by L2 at 128 rows (Nsight Compute). ``Model`` does not use
+it yet: which kernel wins depends on the partition and the batch, so it needs a choice per (partition, batch
+bucket) made at graph capture or shipped as a table, and the shipped profiles measured again with it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch.nn.functional as F
 
 from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 
-MAX_ROWS = 256  # rows of x the kernel takes (its tile holds them all); more go to cuBLAS
+MAX_ROWS = 256  # rows of x the kernel takes (its tile holds them all)
 SMEM_BYTES = 200 * 1024  # shared memory a launch's pipeline may take (Hopper has 228 KB per SM)
 
 
