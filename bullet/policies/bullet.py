@@ -378,7 +378,7 @@ class Bullet(LayerSliced):
         dec = self.inflight.get("decode")
         return dec[0].partition.num_sms if dec else 0
 
-    def _schedule_prefill(self, now: float, horizon: float | None = None) -> Batch | None:
+    def _schedule_prefill(self, now: float, horizon: float | None) -> Batch | None:
         d_cur = self._decode_sms()
         if d_cur >= self.N:
             return None  # decode holds the whole GPU until the next event; then the split is decided afresh
