@@ -1,7 +1,8 @@
 """Decode products on one GPU: cuBLAS (as ``Model.forward`` runs them today) against the skinny kernel
-(``bullet/gpu/kernels/skinny.py``) over a sweep of its tile shapes and K splits, at Llama-3.1-8B's shapes.
+(``bullet/gpu/kernels/skinny.py``) over a sweep of its tile shapes and K splits, at a model's shapes.
 
-    PYTHONPATH=. python3 bench/skinny_gemm.py [--rows 16,64,128,256] [--sms 0,40,64] [--jobs 8] [--out F]
+    PYTHONPATH=. python3 bench/skinny_gemm.py [--model llama-3.1-8b] [--rows 16,64,128,256] [--sms 0,40,64]
+        [--jobs 8] [--out F] [--table profiles/h200/llama-3.1-8b/skinny.json [--margin 0.03]]
 
 Per row count M and product (q/k/v, o + residual, gate/up + SiLU x up, down + residual, LM head): each
 configuration is first checked against a float64 reference on random data (relative error < 1e-2 in bf16),
@@ -11,7 +12,10 @@ partition of the nested green-context menu (the graph is captured on the partiti
 its SMs). Rate = weight bytes / time (the weights are what a decode product must move; x and y are a few
 MB). The kernels are compiled first in ``--jobs`` processes (Triton's disk cache), then timed one at a time.
 Prints, per M, the best configuration per product against cuBLAS, and the whole decode step's products
-(32 layers + LM head) summed. ``--out``: every timing as JSON.
+(all layers + LM head) summed. ``--out``: every timing as JSON. ``--table``: the choices the executor
+loads (``kernels.skinny.load_table``): for each (SMs, M, product) the best skinny config where it took at least
+``--margin`` less time than cuBLAS (else the product stays on cuBLAS there). For a table, give ``--rows`` the
+decode graphs' batch buckets and ``--sms`` the decode partition sizes the policies use.
 """
 
 from __future__ import annotations
@@ -29,14 +33,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_kernels import graph_time
+from bullet.config import resolve_model
 from bullet.gpu.kernels import next_pow2
 from bullet.gpu.kernels.activation import silu_mul
-from bullet.gpu.kernels.skinny import SMEM_BYTES, SkinnyConfig, skinny_linear
+from bullet.gpu.kernels.skinny import SMEM_BYTES, TABLE_VERSION, SkinnyConfig, decode_products, skinny_linear
 
-# Llama-3.1-8B: (N, K, epilogue, times per step)
-PRODUCTS = {"qkv": (6144, 4096, "plain", 32), "o": (4096, 4096, "residual", 32),
-            "gate_up": (28672, 4096, "swiglu", 32), "down": (4096, 14336, "residual", 32),
-            "lm_head": (128256, 4096, "plain", 1)}
+EPILOGUES = {"qkv": "plain", "o": "residual", "gate_up": "swiglu", "down": "residual", "lm_head": "plain"}
+
+
+def products(model: str) -> dict[str, tuple[int, int, str, int]]:
+    """(N, K, epilogue, times per step) of each decode product of ``model``."""
+    spec = resolve_model(model)
+    return {name: (n, k, EPILOGUES[name], 1 if name == "lm_head" else spec.num_layers)
+            for name, (n, k) in decode_products(spec).items()}
+
 
 
 def candidates(n: int, k: int, m: int, mode: str, sms: int) -> list[SkinnyConfig]:
@@ -91,11 +101,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm()) if not torch.isnan(a).any() else float("inf")
 
 
-def compile_worker(jobs: list) -> int:
+def compile_worker(args: tuple[str, list]) -> int:
     """Run each (product, M, config) once so that Triton compiles it into its disk cache."""
+    model, jobs = args
+    prods = products(model)
     dev = torch.device("cuda")
     for name, m, cfgs in jobs:
-        n, k, mode, _ = PRODUCTS[name]
+        n, k, mode, _ = prods[name]
         t = make(n, k, m, mode, 1, dev)
         for c in cfgs:
             run_skinny(t, t["ws"][0], mode, SkinnyConfig(*c))
@@ -103,9 +115,11 @@ def compile_worker(jobs: list) -> int:
     return len(jobs)
 
 
-def time_product(name: str, m: int, sms: int, cfgs: list[SkinnyConfig], stream, dev) -> dict:
-    """cuBLAS and every config of one product at M rows on one partition: checked, then timed."""
-    n, k, mode, _ = PRODUCTS[name]
+def time_product(name: str, shape: tuple[int, int, str, int], m: int, sms: int, cfgs: list[SkinnyConfig], stream,
+                 dev) -> dict:
+    """cuBLAS and every config of one product (``shape``: N, K, epilogue) at M rows on one partition: checked,
+    then timed."""
+    n, k, mode, _ = shape
     copies = max(1, -(-(256 << 20) // (n * k * 2)))
     t = make(n, k, m, mode, copies, dev)
     r0 = t["r"].clone()
@@ -141,12 +155,20 @@ def time_product(name: str, m: int, sms: int, cfgs: list[SkinnyConfig], stream, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.1-8b", help="model preset whose products are measured")
     ap.add_argument("--rows", default="16,64,128,256", help="row counts M (comma-separated, <= 256)")
     ap.add_argument("--sms", default="0", help="SM counts to run on: 0 = the whole GPU, else decode partitions")
-    ap.add_argument("--products", default=",".join(PRODUCTS), help="which products (default: all five)")
+    ap.add_argument("--products", default=",".join(EPILOGUES), help="which products (default: all five)")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first")
     ap.add_argument("--out", default="", help="write every timing here as JSON")
+    ap.add_argument("--table", default="", help="write the executor's table of skinny choices here (JSON)")
+    ap.add_argument("--margin", type=float, default=0.03,
+                    help="a skinny config enters the table only if it took at least this fraction less time")
+    ap.add_argument("--shapes", default="",
+                    help="tile shapes to try, as BN:BK:STAGES,... (default: all of candidates())")
     args = ap.parse_args()
+    prods = products(args.model)
+    shapes = {tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")} if args.shapes else None
     rows = [int(x) for x in args.rows.split(",")]
     names = args.products.split(",")
     dev = torch.device("cuda")
@@ -159,7 +181,8 @@ def main() -> None:
         side = menu.full if s in (0, total_sms) else menu.side("decode", s)
         sides.append((side.num_sms, side.stream))
 
-    work = [(name, m, sms, candidates(*PRODUCTS[name][:2], m, PRODUCTS[name][2], sms))
+    work = [(name, m, sms, [c for c in candidates(*prods[name][:2], m, prods[name][2], sms)
+                            if shapes is None or (c.block_n, c.block_k, c.num_stages) in shapes])
             for sms, _ in sides for m in rows for name in names]
     t0 = time.time()
     jobs: dict[tuple, set] = {}
@@ -170,12 +193,12 @@ def main() -> None:
         for j, c in enumerate(sorted(cfgs)):
             chunks[(i + j) % len(chunks)].append((key[0], key[1], [c]))
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        pool.map(compile_worker, [c for c in chunks if c])
+        pool.map(compile_worker, [(args.model, c) for c in chunks if c])
     print(f"compiled {sum(len(c) for c in jobs.values())} kernels in {time.time() - t0:.0f} s", flush=True)
 
     results = []
     for name, m, sms, cfgs in work:
-        row = time_product(name, m, sms, cfgs, dict(sides)[sms], dev)
+        row = time_product(name, prods[name], m, sms, cfgs, dict(sides)[sms], dev)
         results.append(row)
         wbytes, best = row["N"] * row["K"] * 2, row["best"]
         sk = f"{best[1] * 1e6:8.1f} us {wbytes / best[1] / 1e12:.2f} TB/s {tuple(best[0])}" if best else "-"
@@ -191,23 +214,44 @@ def main() -> None:
         print(f"| {r['sms']} | {r['rows']} | {r['product']} | {r['cublas_s'] * 1e6:.1f} ({wb / r['cublas_s'] / 1e12:.2f}) | "
               + (f"{b[1] * 1e6:.1f} ({wb / b[1] / 1e12:.2f}) | {tuple(b[0])} | {r['cublas_s'] / b[1]:.2f}x |"
                  if b else "- | - | - |"))
-    print("\nWhole step's products (32 layers + LM head), from the rows above:")
+    print("\nWhole step's products (all layers + LM head), from the rows above:")
     print("| SMs | M | weights GB | cuBLAS ms (TB/s) | best skinny or cuBLAS per product ms (TB/s) |")
     print("|---:|---:|---:|---:|---:|")
     for sms, _ in sides:
         for m in rows:
             rs = [r for r in results if r["sms"] == sms and r["rows"] == m]
-            if len(rs) != len(PRODUCTS):
+            if len(rs) != len(prods):
                 continue
-            wb = sum(r["N"] * r["K"] * 2 * PRODUCTS[r["product"]][3] for r in rs)
-            cb = sum(r["cublas_s"] * PRODUCTS[r["product"]][3] for r in rs)
-            mix = sum(min(r["cublas_s"], r["best"][1] if r["best"] else 1.0) * PRODUCTS[r["product"]][3] for r in rs)
+            wb = sum(r["N"] * r["K"] * 2 * prods[r["product"]][3] for r in rs)
+            cb = sum(r["cublas_s"] * prods[r["product"]][3] for r in rs)
+            mix = sum(min(r["cublas_s"], r["best"][1] if r["best"] else 1.0) * prods[r["product"]][3] for r in rs)
             print(f"| {sms} | {m} | {wb / 1e9:.2f} | {cb * 1e3:.2f} ({wb / cb / 1e12:.2f}) | {mix * 1e3:.2f} "
                   f"({wb / mix / 1e12:.2f}) |")
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "date": time.strftime(
-            "%Y-%m-%d %H:%M UTC", time.gmtime()), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "model": args.model,
+                                              "date": date, "results": results}, indent=1))
+    if args.table:
+        write_table(Path(args.table), args, prods, results, date)
     menu.close()
+
+
+def write_table(path: Path, args, prods: dict, results: list[dict], date: str) -> None:
+    """The executor's table (``kernels.skinny.load_table``): the winning skinny configs, where they won by
+    ``args.margin``; written to a temporary file and renamed."""
+    choices = [{"sms": r["sms"], "rows": r["rows"], "product": r["product"],
+                "config": SkinnyConfig(*r["best"][0])._asdict(), "skinny_s": r["best"][1], "cublas_s": r["cublas_s"]}
+               for r in results if r["best"] and r["best"][1] <= (1 - args.margin) * r["cublas_s"]]
+    doc = {"version": TABLE_VERSION, "gpu": torch.cuda.get_device_name(), "model": args.model,
+           "products": {name: list(v[:2]) for name, v in prods.items()}, "measured": date,
+           "command": "python3 bench/skinny_gemm.py " + " ".join(sys.argv[1:]), "margin": args.margin,
+           "sms": sorted({r["sms"] for r in results}), "rows": sorted({r["rows"] for r in results}),
+           "choices": choices}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"{path}: {len(choices)} of {len(results)} (SMs, M, product) take the skinny kernel")
 
 
 if __name__ == "__main__":

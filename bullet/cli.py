@@ -91,7 +91,15 @@ from .cli_options import (
 )
 from .cli_trace import ArrivalChoice as Arrival
 from .cli_trace import fail, parse_host_gap, parse_sizes, trace_app
-from .config import CacheConfig, ConfigError, ModelSpec, SchedulerConfig, resolve_gpu, resolve_model
+from .config import (
+    CacheConfig,
+    ConfigError,
+    ModelSpec,
+    SchedulerConfig,
+    gpu_short_name,
+    resolve_gpu,
+    resolve_model,
+)
 from .request import Request
 
 if TYPE_CHECKING:
@@ -505,14 +513,6 @@ def write_outputs(result, summary: dict, out: Path, parquet: bool, plot: bool) -
         raise fail(f"--out {out}: cannot write: {e.strerror or e}") from None
 
 
-def _gpu_short_name(name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100'; the folder name of a profile."""
-    import re
-
-    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name.upper())
-    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 @app.command(cls=PlainHelpCommand)
 def profile(
     model: Annotated[str, typer.Option(help="Model preset or a Hugging Face config.json / model folder.")]
@@ -563,7 +563,7 @@ def profile(
     if not cpu and not torch.cuda.is_available():
         raise fail("no CUDA device: run on a GPU machine, or use --device cpu --model tiny-llama to test")
     try:
-        gpu_name = "cpu" if cpu else _gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
+        gpu_name = "cpu" if cpu else gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
     except (RuntimeError, AssertionError) as e:
         raise fail(f"--device {device}: {e}") from None
     out = out or Path("profiles") / gpu_name / spec.name

@@ -12,6 +12,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"  # the shipped profiles: <gpu>/<model>/
+
+
+def gpu_short_name(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100'; the folder name of a profile."""
+    import re
+
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name.upper())
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field (and file, where there is one)."""

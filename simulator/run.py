@@ -13,7 +13,15 @@ import numpy as np
 
 from bullet import __version__
 from bullet.batch import Batch, Lane, StepResult
-from bullet.config import CacheConfig, ConfigError, GpuSpec, ModelSpec, SchedulerConfig, SloConfig
+from bullet.config import (
+    PROFILES_DIR,
+    CacheConfig,
+    ConfigError,
+    GpuSpec,
+    ModelSpec,
+    SchedulerConfig,
+    SloConfig,
+)
 from bullet.engine import serve
 from bullet.kvcache import BlockManager
 from bullet.metrics import PERCENTILES, Timeline, request_columns, summarize
@@ -41,7 +49,7 @@ LATENCY_CHOICES = ("auto", "roofline", "fitted")
 
 def shipped_model_path(model: ModelSpec, gpu: GpuSpec) -> Path:
     """Where a fitted model for this model and GPU is shipped: profiles/<gpu>/<model>/model.json."""
-    return ROOT / "profiles" / gpu.name / model.name / "model.json"
+    return PROFILES_DIR / gpu.name / model.name / "model.json"
 
 
 def latency_model(choice: str, model: ModelSpec, gpu: GpuSpec) -> LatencyModel:

@@ -10,8 +10,8 @@ pytest.importorskip("torch")
 
 from typer.testing import CliRunner
 
-from bullet.cli import _gpu_short_name, app
-from bullet.config import GPUS, MODELS
+from bullet.cli import app
+from bullet.config import GPUS, MODELS, gpu_short_name
 from bullet.gpu.profile import COLUMNS, grid, read_gaps, read_points, sampled_mixed
 
 
@@ -67,9 +67,9 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
 
 
 def test_gpu_folder_names():
-    assert _gpu_short_name("NVIDIA H200") == "h200"
-    assert _gpu_short_name("NVIDIA A100-SXM4-80GB") == "a100"
-    assert _gpu_short_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_short_name("NVIDIA H200") == "h200"
+    assert gpu_short_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_short_name("NVIDIA H100 80GB HBM3") == "h100"
 
 
 def test_profile_without_cuda_says_so(tmp_path):

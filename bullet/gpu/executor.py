@@ -38,7 +38,10 @@ asynchronously (a copy from pageable memory would wait for the lane's stream to 
 
 Options: ``kv_layout`` is the pool's order within a block (``PagedKvCache``: "hnd" or "nhd");
 ``one_token_gemv`` the launch options of the fused GEMV path for one-token forwards (batch-1 decode; see
-``kernels/gemv.py``): "default" takes ``GEMV_DEFAULT`` on CUDA and cuBLAS on the CPU, None always cuBLAS.
+``kernels/gemv.py``): "default" takes ``GEMV_DEFAULT`` on CUDA and cuBLAS on the CPU, None always cuBLAS;
+``skinny`` the table of (partition, rows, product) choices of the skinny GEMM for multi-row decode products
+(``kernels/skinny.py``): "auto" loads the one shipped for this GPU and model where there is one, a path that
+file, None none (cuBLAS).
 
 Lifetime: ``close()`` synchronizes and drops the graphs and pinned buffers, which were used on the menu's
 streams; close the executor before closing a menu it was given (a menu it made itself it closes).
@@ -47,20 +50,23 @@ streams; close the executor before closing a menu it was given (a menu it made i
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..batch import Batch, Chunk, Lane, Partition, StepResult, check_launch
-from ..config import ModelSpec
+from ..config import PROFILES_DIR, ConfigError, ModelSpec, gpu_short_name
 from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
 from .kernels.decode_attention import DECODE_TARGET_PROGRAMS
 from .kernels.gemv import GEMV_DEFAULT
+from .kernels.skinny import load_table
 from .kvcache import PagedKvCache
 from .model import Model
 from .partitions import PartitionMenu, Side
@@ -129,7 +135,8 @@ class GpuExecutor:
                  max_requests: int = 16384, graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
                  graph_max_context: int = 16384, poll_s: float = 0.0, kv_layout: str = "hnd",
                  one_token_gemv: dict | None | str = "default",
-                 token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS, graph_max_seqs: int = 64) -> None:
+                 token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS, graph_max_seqs: int = 64,
+                 skinny: str | Path | None = "auto") -> None:
         self._t0 = time.perf_counter()
         self.spec = spec
         self.device = torch.device(device)
@@ -147,6 +154,7 @@ class GpuExecutor:
         if one_token_gemv == "default":  # the fused GEMV path for one-token forwards, on CUDA only
             one_token_gemv = dict(GEMV_DEFAULT) if self.cuda else None
         self.model.gemv_config = one_token_gemv
+        self.skinny_source = self._load_skinny(skinny)  # the skinny GEMM table decode products use (or None)
         if num_blocks is None:
             if not self.cuda:
                 raise ValueError("GpuExecutor on the CPU needs num_blocks")
@@ -187,6 +195,25 @@ class GpuExecutor:
             self._ref.record(torch.cuda.current_stream(self.device))
             self._ref.synchronize()
             self._t_ref = self.now()
+
+    def _load_skinny(self, choice: str | Path | None) -> str | None:
+        """Give the model a skinny GEMM table (``kernels.skinny``): a path, or ``"auto"``: the one shipped for
+        this GPU and model (``profiles/<gpu>/<model>/skinny.json``) if there is one, skipped with a warning if
+        it was measured on another GPU; None or on the CPU: none. Returns the table's path."""
+        if choice is None or not self.cuda:
+            return None
+        gpu = torch.cuda.get_device_name(self.device)
+        path = PROFILES_DIR / gpu_short_name(gpu) / self.spec.name / "skinny.json" if choice == "auto" else Path(choice)
+        if choice == "auto" and not path.exists():
+            return None
+        try:
+            self.model.skinny = load_table(path, self.spec, gpu)
+        except ConfigError as e:
+            if choice != "auto":
+                raise
+            warnings.warn(f"{e}: decode products stay on cuBLAS", stacklevel=3)
+            return None
+        return str(path)
 
     # ------------------------------------------------------------------ protocol
     def now(self) -> float:

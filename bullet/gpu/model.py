@@ -23,6 +23,7 @@ from .kernels.gemv import RopeStore, gemv
 from .kernels.norm import rms_norm
 from .kernels.prefill_attention import block_q
 from .kernels.rope import rope_and_store
+from .kernels.skinny import SkinnyConfig, Table, skinny_linear
 from .kvcache import PagedKvCache
 from .weights import check_weights
 
@@ -109,6 +110,9 @@ class Model:
         self.prefill_config: dict = {}
         # one-token forwards: the fused GEMV path with these options (``kernels.gemv``); None: cuBLAS
         self.gemv_config: dict | None = None
+        # products of multi-row forwards on (self.num_sms, rows) that take the skinny kernel with the given
+        # config instead of cuBLAS (``kernels.skinny.load_table``; empty: cuBLAS everywhere)
+        self.skinny: Table = {}
 
     @property
     def block_q(self) -> int | None:
@@ -145,10 +149,11 @@ class Model:
         eps = spec.rms_norm_eps
         if self.gemv_config is not None and residual.shape[0] == 1:
             return self._forward_one(residual, layers, meta, kv)
+        sk = self._skinny_for(residual.shape[0])
         for i in layers:
             layer = self.layers[i]
-            residual = self._attention(i, layer, rms_norm(residual, layer.ln1, eps), meta, kv, residual)
-            residual = self._mlp(layer, rms_norm(residual, layer.ln2, eps), residual)
+            residual = self._attention(i, layer, rms_norm(residual, layer.ln1, eps), meta, kv, residual, sk)
+            residual = self._mlp(layer, rms_norm(residual, layer.ln2, eps), residual, sk)
             yield
         if layers.stop == spec.num_layers:
             return rms_norm(residual, self.norm, eps)
@@ -177,10 +182,18 @@ class Model:
             return rms_norm(h, self.norm, eps, pdl=pdl)
         return h
 
+    def _skinny_for(self, rows: int) -> dict[str, SkinnyConfig]:
+        """The products that take the skinny kernel at ``rows`` rows on the current partition."""
+        return self.skinny.get((self.num_sms, rows), {}) if self.skinny else {}
+
     def _attention(self, i: int, layer: _Layer, xn: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
-                   residual: torch.Tensor) -> torch.Tensor:
+                   residual: torch.Tensor, sk: dict[str, SkinnyConfig]) -> torch.Tensor:
         """``residual`` += the attention block's output, the add in the o product's epilogue."""
-        o = self._attend(i, layer, F.linear(xn, layer.wqkv, layer.bqkv), meta, kv)
+        c = sk.get("qkv") if layer.bqkv is None else None
+        qkv = skinny_linear(xn, layer.wqkv, config=c) if c else F.linear(xn, layer.wqkv, layer.bqkv)
+        o = self._attend(i, layer, qkv, meta, kv)
+        if c := sk.get("o"):
+            return skinny_linear(o, layer.wo, residual=residual, config=c)
         return residual.addmm_(o, layer.wo.t())  # in place: out-of-place addmm copies the residual first
 
     def _attend(self, i: int, layer: _Layer, qkv: torch.Tensor, meta: AttnMeta, kv: PagedKvCache,
@@ -201,8 +214,13 @@ class Model:
         o = attention(q, k, v, meta, k_cache, v_cache, self.scale, dcfg, self.prefill_config)
         return o.reshape(T, H * D)
 
-    def _mlp(self, layer: _Layer, xn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual.addmm_(silu_mul(F.linear(xn, layer.w_gate_up)), layer.w_down.t())
+    def _mlp(self, layer: _Layer, xn: torch.Tensor, residual: torch.Tensor,
+             sk: dict[str, SkinnyConfig]) -> torch.Tensor:
+        c = sk.get("gate_up")
+        act = skinny_linear(xn, layer.w_gate_up, swiglu=True, config=c) if c else silu_mul(F.linear(xn, layer.w_gate_up))
+        if c := sk.get("down"):
+            return skinny_linear(act, layer.w_down, residual=residual, config=c)
+        return residual.addmm_(act, layer.w_down.t())
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``. One row goes through the
@@ -211,6 +229,8 @@ class Model:
         x = hidden if one else hidden.index_select(0, rows)
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv(x, self.lm_head, out_dtype=torch.float32, **self.gemv_config)
+        if c := self._skinny_for(x.shape[0]).get("lm_head"):
+            return skinny_linear(x, self.lm_head, config=c).float()
         return F.linear(x, self.lm_head).float()
 
 

@@ -711,9 +711,11 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     meta = metadata(executor, spec, weights, quick, reps, len(pts))
     graphs = prefill_graphs and (executor.use_graphs or not executor.cuda)
     meta["prefill_graphs"] = executor.prefill_graph_limits if graphs else None
-    if have and (old := _old_meta(out)) is not None and old.get("prefill_graphs") != meta["prefill_graphs"]:
-        raise ValueError(f"{out}: its points were measured with prefill_graphs={old.get('prefill_graphs')}, "
-                         f"this run would use {meta['prefill_graphs']}: profile into a new folder")
+    meta["skinny_table"] = _skinny_meta(getattr(executor, "skinny_source", None))
+    for key in ("prefill_graphs", "skinny_table"):  # the kernels a resumed profile's points ran
+        if have and (old := _old_meta(out)) is not None and old.get(key) != meta[key]:
+            raise ValueError(f"{out}: its points were measured with {key}={old.get(key)}, this run would use "
+                             f"{meta[key]}: profile into a new folder")
     old_protocol = (_old_meta(out) or {}).get("corun_protocol", {"name": "single burst"})
     if any(r["co_kind"] for r in have.values()) and old_protocol != meta["corun_protocol"]:
         raise ValueError(f"{out}: its co-run points were measured by the {old_protocol['name']!r} protocol, this "
@@ -741,6 +743,18 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped
+
+
+def _skinny_meta(path: str | None) -> dict | None:
+    """Which skinny GEMM table the decode products used (``GpuExecutor(skinny=...)``): its file name and
+    content hash, or None (cuBLAS everywhere)."""
+    if path is None:
+        return None
+    import hashlib
+
+    data = Path(path).read_bytes()
+    return {"file": Path(path).name, "sha256": hashlib.sha256(data).hexdigest()[:16],
+            "choices": len(json.loads(data).get("choices", []))}
 
 
 def _old_meta(out: Path) -> dict | None:

@@ -20,18 +20,26 @@ Epilogues, as the unfused path computes them (fp32 accumulation, rounded where i
 Measured on the H200 (``bench/skinny_gemm.py``, bench/RESULTS.md, eighteenth session): on the whole GPU it ties
 cuBLAS (the gate/up product and the LM head 3-10 % faster, the three smaller products slower: their K split
 costs a second pass); on a 40-SM decode partition, where cuBLAS picks tiles for all 132 SMs, the products of a
-16-64-row step take 8-12 % less time. Both are bound by L2 at 128 rows (Nsight Compute). ``Model`` does not use
-it yet: which kernel wins depends on the partition and the batch, so it needs a choice per (partition, batch
-bucket) made at graph capture or shipped as a table, and the shipped profiles measured again with it.
+16-64-row step take 8-12 % less time. Both are bound by L2 at 128 rows (Nsight Compute).
+
+Which kernel wins depends on the partition and the batch, so ``Model`` takes a **table** (``load_table``):
+for each (SMs, rows) the products where a measured skinny config beat cuBLAS, with that config; every other
+product, and every row count not in it, stays on cuBLAS. ``bench/skinny_gemm.py --table`` measures it on a GPU
+(decode partitions x graph batch buckets) and the executor loads the one shipped next to the fitted profile
+(``profiles/<gpu>/<model>/skinny.json``), so decode graphs, which always run a bucket's row count on one
+partition, take the faster kernel product by product.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ...config import ConfigError, ModelSpec
 from . import HAVE_TRITON, next_pow2, pdl_launch, use_triton
 
 MAX_ROWS = 256  # rows of x the kernel takes (its tile holds them all)
@@ -198,3 +206,59 @@ def _skinny_torch(x, w, residual, swiglu) -> torch.Tensor:
     if residual is not None:
         return residual.addmm_(x, w.t())
     return F.linear(x, w)
+
+
+# --- the per-(partition, batch) choice ---------------------------------------------------------------------
+
+PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
+TABLE_VERSION = 1
+Table = dict[tuple[int, int], dict[str, SkinnyConfig]]  # (SMs, rows) -> product -> config (absent: cuBLAS)
+
+
+def decode_products(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(N, K) of each product of a decode step on one GPU: ``y[M, N] = x[M, K] @ W.T``."""
+    H, KVH, D, h = spec.heads_per_gpu, spec.kv_heads_per_gpu, spec.head_dim, spec.hidden_size
+    return {"qkv": ((H + 2 * KVH) * D, h), "o": (h, H * D), "gate_up": (2 * spec.ffn_per_gpu, h),
+            "down": (h, spec.ffn_per_gpu), "lm_head": (spec.vocab_size, h)}
+
+
+def load_table(path: str | Path, spec: ModelSpec, gpu_name: str) -> Table:
+    """The choices of a table written by ``bench/skinny_gemm.py --table``, checked against the model's product
+    shapes and the GPU (ConfigError naming the file and the field, or both models / GPUs)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the skinny GEMM table: {e}") from None
+
+    def field(obj, key, kind, where):
+        if not isinstance(obj, dict) or key not in obj or not isinstance(obj[key], kind) \
+                or (kind is int and isinstance(obj[key], bool)):
+            raise ConfigError(f"{path}: {where}{key} is missing or not {kind.__name__}")
+        return obj[key]
+
+    if field(doc, "version", int, "") != TABLE_VERSION:
+        raise ConfigError(f"{path}: version {doc['version']}, this bullet reads version {TABLE_VERSION}")
+    if field(doc, "gpu", str, "") != gpu_name:
+        raise ConfigError(f"{path}: measured on {doc['gpu']}, this GPU is {gpu_name}")
+    want = {k: list(v) for k, v in decode_products(spec).items()}
+    if field(doc, "products", dict, "") != want:
+        raise ConfigError(f"{path}: products {doc['products']} are not {spec.name}'s {want}")
+    table: Table = {}
+    for i, c in enumerate(field(doc, "choices", list, "")):
+        where = f"choices[{i}]."
+        sms, rows = field(c, "sms", int, where), field(c, "rows", int, where)
+        name = field(c, "product", str, where)
+        if name not in PRODUCTS:
+            raise ConfigError(f"{path}: {where}product {name!r} is not one of {', '.join(PRODUCTS)}")
+        if not 1 <= rows <= MAX_ROWS or sms < 1:
+            raise ConfigError(f"{path}: {where}rows must be 1..{MAX_ROWS} and sms positive")
+        cfg = field(c, "config", dict, where)
+        try:
+            conf = SkinnyConfig(**cfg)
+        except TypeError:
+            raise ConfigError(f"{path}: {where}config {cfg} has fields other than {SkinnyConfig._fields}") from None
+        if not all(isinstance(v, int) and v > 0 for v in conf):
+            raise ConfigError(f"{path}: {where}config {cfg} must hold positive integers")
+        table.setdefault((sms, rows), {})[name] = conf
+    return table

@@ -1,0 +1,109 @@
+"""Whole decode steps as the executor replays them (its lane graph: embedding, all layers, logits, greedy
+sampling, the in-graph advance), with cuBLAS for every product against the skinny GEMM table
+(``kernels.skinny``), on decode partitions of the nested menu and the whole GPU. Dummy bf16 weights.
+
+    PYTHONPATH=. python3 bench/skinny_step.py --table profiles/h200/llama-3.1-8b/skinny.json \
+        [--model llama-3.1-8b] [--sms 16,32,48,64,132] [--batch 16,32,64,128] [--context 1024]
+
+Per (SMs, batch): both variants first run one eager step on the same inputs and their logits are compared
+(relative difference; the two sum in different orders, so bf16 rounding differs), then each lane graph is
+captured on the partition's stream and timed (median of 20 replays after warm-up; the context grows by one
+token a replay). Prints the two step times, the speed-up, and the products the table switched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bullet.batch import Chunk
+from bullet.config import resolve_model
+from bullet.gpu.attention import DecodeBuffers
+from bullet.gpu.graphs import LaneGraphs
+from bullet.gpu.kernels.skinny import load_table
+from bullet.gpu.kvcache import PagedKvCache
+from bullet.gpu.model import Model
+from bullet.gpu.partitions import PartitionMenu
+from bullet.gpu.weights import load_weights
+
+
+def replay_time(graph, stream, reps: int = 20) -> float:
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            graph.replay()
+            b.record(stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", required=True, help="skinny GEMM table (bench/skinny_gemm.py --table)")
+    ap.add_argument("--model", default="llama-3.1-8b", help="model preset")
+    ap.add_argument("--sms", default="16,32,48,64,132", help="decode partition sizes (the whole GPU's count too)")
+    ap.add_argument("--batch", default="16,32,64,128", help="batch sizes (graph buckets)")
+    ap.add_argument("--context", type=int, default=1024, help="context length of every request")
+    args = ap.parse_args()
+    spec = resolve_model(args.model)
+    dev = torch.device("cuda")
+    table = load_table(args.table, spec, torch.cuda.get_device_name(dev))
+    w = load_weights(spec, "dummy", dev, torch.bfloat16, seed=0)
+    model = Model(spec, w, dev)
+    del w
+    batches = [int(b) for b in args.batch.split(",")]
+    B, ctx, bmax = 16, args.context, max(batches)
+    per = -(-(ctx + 64) // B)  # blocks per request, with room for the replays' growth
+    kv = PagedKvCache(spec, bmax * per + 1, B, dev)
+    kv.k.normal_()
+    kv.v.normal_()
+    perm = torch.randperm(bmax * per).view(bmax, per).to(torch.int32)
+    menu = PartitionMenu.create()
+    total = menu.num_sms
+    print(f"{torch.cuda.get_device_name(dev)}, {spec.name}, context {ctx}, table {args.table}")
+    print("| SMs | batch | cuBLAS ms | with table ms | speed-up | products on the skinny kernel | logits rel diff |")
+    print("|---:|---:|---:|---:|---:|---|---:|")
+    for sms in (int(s) for s in args.sms.split(",")):
+        side = menu.full if sms == total else menu.side("decode", sms)
+        for bs in batches:
+            chunks = [Chunk(i, ctx - 1, 1, tuple(perm[i].tolist()), True) for i in range(bs)]
+            ids = torch.randint(0, spec.vocab_size, (bs,), device=dev)
+            bufs = DecodeBuffers(bs, per, B, dev)
+            bufs.fill(chunks)
+            bufs.input_ids.copy_(ids)
+            meta = bufs.meta(bs)
+            logits, times = {}, {}
+            for name, tab in (("cublas", {}), ("table", table)):
+                model.skinny = tab
+                with torch.cuda.stream(side.stream), model.on_sms(side.num_sms):
+                    h = model.forward(bufs.input_ids, range(spec.num_layers), meta, kv)
+                    logits[name] = model.logits(h, meta.sample_rows).double()
+                    lg = LaneGraphs(model, kv, dev, buckets=(bs,), max_context=per * B)
+                    g = lg.capture(SimpleNamespace(key=("bench", sms, name), stream=side.stream), bs, True)
+                    lg.prepare(np.full(bs, ctx - 1), perm[:bs].numpy(), ids, bs, True)
+                times[name] = replay_time(g, side.stream)
+                del lg, g
+            model.skinny = {}
+            diff = float((logits["table"] - logits["cublas"]).norm() / logits["cublas"].norm())
+            switched = ",".join(sorted(table.get((side.num_sms, bs), {}))) or "-"
+            print(f"| {side.num_sms} | {bs} | {times['cublas'] * 1e3:.2f} | {times['table'] * 1e3:.2f} | "
+                  f"{times['cublas'] / times['table']:.3f}x | {switched} | {diff:.2e} |", flush=True)
+            torch.cuda.empty_cache()
+    menu.close()
+
+
+if __name__ == "__main__":
+    main()
