@@ -24,8 +24,9 @@ for step in $steps; do
     part52) run part52 150 python3 bench/decode_partition.py --batch 64 --context 4096 --sms 52 --quick --out "$OUT/part52.json" ;;
     roofline) run roofline 200 bullet validate --policy chunked --latency roofline --trace sharegpt --num-requests 200 \
         --rate 5 --max-error 20 --out "$OUT/roofline" ;;
-    table) run table 560 python3 bench/skinny_gemm.py --rows 2,4,8,16,32,48,64,96,128,160,192 \
+    table) run table 420 python3 bench/skinny_gemm.py --rows 2,4,8,16,32,48,64,96,128,160,192 \
         --sms 8,16,24,32,40,48,56,64,72,80,88,96,104,112,0 --jobs 14 --out "$OUT/skinny_sweep.json" \
+        --shapes 64:64:4,64:64:3,64:128:3,64:128:4,128:64:3,128:64:4,128:128:3,32:256:4 \
         --table "$OUT/skinny.json" && cp "$OUT/skinny.json" profiles/h200/llama-3.1-8b/skinny.json ;;
     skinnystep) run skinnystep 300 python3 bench/skinny_step.py --table profiles/h200/llama-3.1-8b/skinny.json \
         --sms 16,32,48,64,132 --batch 16,32,64,128 ;;
