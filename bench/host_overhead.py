@@ -139,6 +139,8 @@ def main() -> None:
                     help="prefill attention: the one-call kernel over the pool, or SDPA per sequence")
     ap.add_argument("--prefill-graphs", action="store_true",
                     help="capture prefill graphs (every token bucket, all layers, greedy) for the whole GPU first")
+    ap.add_argument("--token-buckets", default="",
+                    help="token buckets of the prefill graphs, comma-separated (default: the executor's)")
     ap.add_argument("--profile-top", type=int, default=12, help="functions listed per profiled launch (0: none)")
     args = ap.parse_args()
 
@@ -146,7 +148,9 @@ def main() -> None:
 
     spec, gpu = resolve_model(args.model), GPUS["h200"]
     cuda = args.device == "cuda"
-    ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.8)
+    buckets = {"token_buckets": [int(b) for b in args.token_buckets.split(",")]} if args.token_buckets else {}
+    ex = GpuExecutor(spec, "dummy", args.device, num_blocks=None if cuda else 4096, gpu_memory_utilization=0.8,
+                     **buckets)
     if args.attention == "sdpa":
         ex.model.prefill_config = {"sdpa": True}
     if cuda:
