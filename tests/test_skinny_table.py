@@ -9,14 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bullet.batch import Chunk  # noqa: E402
-from bullet.config import MODELS, ConfigError  # noqa: E402
-from bullet.gpu import model as model_mod  # noqa: E402
-from bullet.gpu.attention import build_meta  # noqa: E402
-from bullet.gpu.kernels.skinny import PRODUCTS, SkinnyConfig, decode_products, load_table  # noqa: E402
-from bullet.gpu.kvcache import PagedKvCache  # noqa: E402
-from bullet.gpu.model import Model, reference_forward  # noqa: E402
-from bullet.gpu.weights import load_weights  # noqa: E402
+from bullet.batch import Chunk
+from bullet.config import MODELS, ConfigError
+from bullet.gpu import model as model_mod
+from bullet.gpu.attention import build_meta
+from bullet.gpu.kernels.skinny import PRODUCTS, SkinnyConfig, decode_products, load_table
+from bullet.gpu.kvcache import PagedKvCache
+from bullet.gpu.model import Model, reference_forward
+from bullet.gpu.weights import load_weights
 
 TINY = MODELS["tiny-llama"]
 LLAMA = MODELS["llama-3.1-8b"]
@@ -137,3 +137,27 @@ def test_gpu_model_routes_table_products_to_skinny(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     check_routing("cuda", torch.bfloat16, 2e-2, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_executor_loads_a_table_and_refuses_another_gpus(tmp_path):
+    """A table given by path is loaded (and named), one measured on another GPU is refused naming both; under
+    "auto" a table from another GPU is skipped with a warning (the shipped file's folder is the GPU's short
+    name, which two GPUs can share)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from bullet.gpu.executor import GpuExecutor
+
+    name = torch.cuda.get_device_name()
+    good = write(tmp_path, doc(TINY, gpu=name, choices=[
+        {"sms": 8, "rows": 4, "product": "o", "config": SkinnyConfig(16, 32, 1, 4, 2)._asdict()}]))
+    ex = GpuExecutor(TINY, "dummy", "cuda", num_blocks=256, skinny=good)
+    try:
+        assert ex.skinny_source == good and ex.model.skinny == {(8, 4): {"o": SkinnyConfig(16, 32, 1, 4, 2)}}
+    finally:
+        ex.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    bad = write(other, doc(TINY, gpu="NVIDIA B200"))
+    with pytest.raises(ConfigError, match=f"measured on NVIDIA B200, this GPU is {name}"):
+        GpuExecutor(TINY, "dummy", "cuda", num_blocks=256, skinny=bad)
