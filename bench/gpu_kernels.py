@@ -74,6 +74,12 @@ def graph_time(fn, stream=None, reps: int = 20) -> float:
             fn()
         finally:
             g.capture_end()
+    return replay_time(g, stream, reps)
+
+
+def replay_time(g, stream, reps: int = 20) -> float:
+    """Median seconds of one replay of the CUDA graph ``g`` on ``stream``, after three warm-up replays."""
+    with torch.cuda.stream(stream):
         for _ in range(3):
             g.replay()
         times = []

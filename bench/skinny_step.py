@@ -15,7 +15,6 @@ token a replay). Prints the two step times, the speed-up, and the products the t
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_kernels import replay_time
 from bullet.batch import Chunk
 from bullet.config import resolve_model
 from bullet.gpu.attention import DecodeBuffers
@@ -34,21 +34,6 @@ from bullet.gpu.kvcache import PagedKvCache
 from bullet.gpu.model import Model
 from bullet.gpu.partitions import PartitionMenu
 from bullet.gpu.weights import load_weights
-
-
-def replay_time(graph, stream, reps: int = 20) -> float:
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(stream)
-            graph.replay()
-            b.record(stream)
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
