@@ -138,17 +138,23 @@ def weighted_stats(values: np.ndarray, counts: np.ndarray, percentiles: Sequence
     neighbours as ``numpy.lib``'s ``_lerp`` does -- so equal to the last bit (tests compare the two); the mean
     as ``sum(value * count) / n``."""
     keep = ~np.isnan(values) & (counts > 0)
-    values, counts = values[keep], counts[keep]
+    if not keep.all():
+        values, counts = values[keep], counts[keep]
     n = int(counts.sum())
     if not n:
         return {"mean": float("nan"), **{percentile_key(p): float("nan") for p in percentiles}}
-    order = np.argsort(values, kind="stable")
-    values, ends = values[order], np.cumsum(counts[order])  # values[i] fills sorted positions < ends[i]
+    # Without a sign bit set (inter-token gaps: none), floats order as their bit patterns do, equal ones tie
+    # alike, and a stable sort of those integers is the same permutation at two thirds of the float sort's time
+    # (a whole trace's ~560,000 gaps: 46 against 70 ms)
+    bits = values.dtype == np.float64 and not np.signbit(values).any()
+    order = np.argsort(values.view(np.int64) if bits else values, kind="stable")
+    values, counts = values[order], counts[order]
+    ends = np.cumsum(counts)  # values[i] fills sorted positions < ends[i]
 
     def at(i: int) -> float:
         return float(values[np.searchsorted(ends, i, side="right")])
 
-    out = {"mean": float(np.dot(values, counts[order]) / n)}
+    out = {"mean": float(np.dot(values, counts) / n)}
     for p in percentiles:
         q = float(np.true_divide(p, 100))
         vi = (n - 1) * q

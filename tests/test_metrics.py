@@ -100,6 +100,22 @@ def test_weighted_stats_are_numpys_percentiles_to_the_bit():
     assert np.isnan(weighted_stats(np.zeros(0), np.zeros(0, np.int64))["p50"])
 
 
+def test_weighted_stats_mean_sums_in_the_stable_float_order():
+    """The sort runs on the floats' bit patterns where no sign bit is set: the same permutation, so the same
+    summation order and mean to the bit; with a negative value or -0.0 it sorts the floats."""
+    rng = np.random.default_rng(1)
+    for signed in (False, True):
+        for _ in range(100):
+            k = int(rng.integers(1, 60))
+            values = rng.integers(0, 6, k) * 0.013 + rng.random(k) * 1e-3 * (rng.random(k) < 0.5)
+            if signed:
+                values[rng.integers(0, k)] = -0.0 if rng.random() < 0.5 else -0.02
+            counts = rng.integers(1, 20, k)
+            order = np.argsort(values, kind="stable")
+            want = float(np.dot(values[order], counts[order]) / counts.sum())
+            assert weighted_stats(values, counts)["mean"] == want
+
+
 def test_per_token_ttft_slo():
     a = finished(0, 0.0, 100, [0.25, 0.3])  # 2.5 ms per prompt token
     b = finished(1, 0.0, 1000, [1.0, 1.1])  # 1.0 ms per prompt token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -373,9 +374,12 @@ class Scheduler:
                 if r.num_output and r.prompt_len + r.num_output - r.num_computed == 1 and r.id not in busy]
 
     def _decode_batch(self, lane: Lane, partition: Partition, reqs: list[Request], now: float,
-                      horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch | None:
+                      horizon: float | None, co: Work | None = None, co_sms: int = 0,
+                      co_end: Callable[[Work, int, float], float] | None = None) -> Batch | None:
         """Decode every request in ``reqs`` (growing KV, preempting if short), fused over as many steps
-        as fit before ``horizon``, the first completion, the KV pool and ``max_decode_steps``."""
+        as fit before ``horizon``, the first completion, the KV pool and ``max_decode_steps``. ``co_end``: the
+        horizon is the co-runner's predicted end next to this launch instead, ``co_end(work, SMs, now)`` with
+        the launch's first-step Work."""
         reqs = self._one_step(reqs)
         if not reqs:
             return None
@@ -385,6 +389,8 @@ class Scheduler:
         n = len(starts)
         kv_end = sum(starts) + n
         work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
+        if co_end is not None:
+            horizon = co_end(work, partition.num_sms, now)
         return self._stretch(lane, partition, chunks, reqs, work, starts, 1, now, horizon, co, co_sms)
 
     def _decode_chunks(self, reqs: list[Request], starts: list[int] | None = None) -> list[Chunk]:
