@@ -51,6 +51,8 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
                                   "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "dtype_bytes",
                                   "tp", "qkv_bias", "qk_norm")}
     assert meta["prefill_graphs"] == {"max_tokens": 512, "max_seqs": 64, "buckets": [16, 32, 64, 128, 256, 512]}
+    assert meta["skinny_table"] is None  # (the CPU executor takes no skinny table)
+    assert len(meta["source_sha256"]) == 16 and int(meta["source_sha256"], 16) >= 0  # names the code, .git or not
     # the engine's host time between launches, per decode batch size (the CPU grid's sizes): 32 tokens each,
     # the first from the prefill, then 31 one-step decode launches of every request: 30 gaps between them
     gaps = read_gaps(out / "gaps.csv")

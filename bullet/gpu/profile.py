@@ -618,7 +618,8 @@ def metadata(executor, spec: ModelSpec, weights: str, quick: bool, reps: int, po
             "weights": weights, "grid": "quick" if quick else "full", "reps": reps, "points": points,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(), "bullet": _version(),
-            "commit": _commit(), "device": str(executor.device), "host": platform.node(),
+            "commit": _commit(), "source_sha256": _source_hash(), "device": str(executor.device),
+            "host": platform.node(),
             "corun_protocol": dict(CORUN_PROTOCOL)}
     try:
         import triton
@@ -663,6 +664,18 @@ def _version() -> str:
         return version("bullet")
     except PackageNotFoundError:
         return "unknown"
+
+
+def _source_hash() -> str:
+    """A hash of the bullet package's Python sources (paths and contents), which names the code that measured a
+    profile even where the checkout's .git is stale or absent (a lent GPU machine's copy of a working tree)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _commit() -> str | None:
