@@ -82,7 +82,15 @@ def test_step_loan_by_hand():
     assert make(SloConfig(tpot=None))[0].step_loan(reqs, 0.8) == math.inf
 
 
-def test_a_job_runs_its_rest_at_once_when_nothing_can_change_before_it_ends():
+@pytest.fixture
+def split_only(monkeypatch):
+    """No mixed launches (``Bullet._mixed_time``): the tests of the split and its slices."""
+    from bullet.policies.bullet import Bullet
+
+    monkeypatch.setattr(Bullet, "_mixed_time", lambda self, now, view: None)
+
+
+def test_a_job_runs_its_rest_at_once_when_nothing_can_change_before_it_ends(split_only):
     """Slices let the split and the order be re-decided between them; with nobody waiting and no arrival due
     before the job's predicted end nothing can change them, so the rest of the job is one launch. LinearLatency:
     request 1's 3000-token job takes (2e-3 + 0.03) s on the whole GPU, over 0.03 s on what decode leaves."""
@@ -100,6 +108,63 @@ def test_a_job_runs_its_rest_at_once_when_nothing_can_change_before_it_ends():
     job2 = [s for s in steps if s.batch.lane == "prefill" and s.batch.chunks[0].req_id == 2]
     assert [s.batch.layers for s in job1] == [range(i, i + 8) for i in range(0, L, 8)]
     assert [s.batch.layers for s in job2] == [range(L)]
+
+
+def mixed_case(tpot, ttft=None, both=False):
+    """Request 0 (100 tokens, 2000 to generate) decodes alone on the whole GPU from ~1 ms; at 1.0 s request 1
+    (3000 tokens; with ``both`` request 2 too) arrives. Returns the prefill launches from 1.0 s and the run's steps."""
+    reqs = [Request(0, 0.0, 100, 2000), Request(1, 1.0, 3000, 5)] + ([Request(2, 1.0, 3000, 5)] if both else [])
+    _, steps, sched = run(reqs, SloConfig(ttft=ttft, tpot=tpot), layers_per_step=8)
+    return [s for s in steps if s.batch.lane == "prefill" and s.start >= 1.0], steps, sched
+
+
+def mixed_time(batch):
+    """LinearLatency, whole GPU, all layers: 2e-3 + 1e-5 per token + 1e-7 per KV token read."""
+    return 2e-3 + 1e-5 * batch.num_tokens + 1e-7 * sum(c.start + c.num_tokens for c in batch.chunks)
+
+
+def test_a_job_and_a_decode_step_in_one_launch():
+    """With TPOT 50 ms, request 0 at 1.0 s is ~490 steps (~2.03 ms each) into its 2000 and may lend its next
+    step 1.3 targets (65 ms; 58.5 ms with the 10 % margin); request 1's 3000 tokens and request 0's decode
+    row on the whole GPU take 2e-3 + 3001e-5 + 1e-7 * (3000 + ~590) = ~32.4 ms: they run as one launch on the
+    132 SMs, all layers, and no decode launch runs beside it (request 0's step is inside)."""
+    pre, steps, sched = mixed_case(0.05)
+    first = pre[0]
+    assert first.batch.partition.num_sms == 132 and first.batch.layers == range(L)
+    assert [(c.req_id, c.num_tokens) for c in first.batch.chunks] == [(0, 1), (1, 3000)]
+    assert first.end - first.start == pytest.approx(mixed_time(first.batch))
+    assert 0.032 < first.end - first.start < 0.033
+    assert not [s for s in steps if s.batch.lane == "decode" and s.start < first.end and s.end > first.start]
+    assert sched.counters()["mixed_launches"] == 1
+
+
+@pytest.mark.parametrize(("tpot", "ttft", "mixed"), [(0.02, None, False), (0.05, 0.05, False), (0.05, 0.07, True)])
+def test_no_mixed_launch_past_its_limit(tpot, ttft, mixed):
+    """The ~32.4 ms launch above needs request 0's loan: with TPOT 20 ms it is at most 1.3 * 20 = 26 ms (23.4 ms
+    with the margin) and the job runs on the split (prefill next to decode, < 132 SMs). It also holds the prefill
+    lane for a request arriving just after it starts: at most half the tightest of the last arrivals' TTFT
+    targets, 25 ms under a 50 ms target (split), 35 ms under a 70 ms one (mixed)."""
+    pre, _, _ = mixed_case(tpot, ttft)
+    first = pre[0]
+    assert (first.batch.partition.num_sms == 132 and len(first.batch.chunks) == 2) == mixed
+    if not mixed:
+        assert first.batch.partition.num_sms < 132 and [c.req_id for c in first.batch.chunks] == [1]
+
+
+@pytest.mark.parametrize("tpot", [0.05, 0.1])
+def test_a_mixed_launch_takes_more_prompts_while_it_fits(tpot):
+    """Requests 1 and 2 (3000 tokens each) arrive together; the job is request 1 alone (a 4096-token target).
+    Both prompts and request 0's decode row take 2e-3 + 6001e-5 + 1e-7 * (6000 + ~590) = ~62.7 ms: past request
+    0's 58.5 ms loan under TPOT 50 ms (two mixed launches, one prompt each, the second with request 1's decode
+    row too), within its 117 ms (1.3 * 0.1 * 0.9) under TPOT 100 ms (one launch with both)."""
+    pre, _, _ = mixed_case(tpot, both=True)
+    jobs = [[(c.req_id, c.num_tokens) for c in s.batch.chunks] for s in pre[:2]]
+    if tpot == 0.05:
+        assert jobs == [[(0, 1), (1, 3000)], [(0, 1), (1, 1), (2, 3000)]]
+    else:
+        assert jobs[0] == [(0, 1), (1, 3000), (2, 3000)]
+        assert 0.062 < pre[0].end - pre[0].start < 0.063
+    assert all(s.batch.partition.num_sms == 132 for s in pre[:len(jobs) if tpot == 0.05 else 1])
 
 
 def test_decode_size_is_the_smallest_that_keeps_tpot():
@@ -130,7 +195,7 @@ def test_decode_size_is_the_smallest_that_keeps_tpot():
     assert sched._view(reqs, 0.01).work == Work(L, 40, 40, 40_000.0, 40_000, 40, True, 1000)
 
 
-def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
+def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone(split_only):
     """A decode batch that needs d SMs runs next to prefill slices on N - d; with nothing decoding the prefill
     takes the whole GPU, and decode alone takes the whole GPU."""
     reqs = [Request(0, 0.0, 2000, 2000)] + [Request(i, 1.0, 3000, 5) for i in range(1, 4)]
@@ -152,7 +217,7 @@ def test_prefill_gets_what_decode_leaves_and_the_whole_gpu_alone():
     assert tpot <= 0.05
 
 
-def test_with_nobody_waiting_decode_gets_its_idle_knee():
+def test_with_nobody_waiting_decode_gets_its_idle_knee(split_only):
     """With nobody waiting behind the prefill job, decode gets the smallest size whose step is within
     IDLE_KNEE (50 %) of its step on the largest decode size (112 SMs): LinearLatency scales time by 132 / d, so
     d >= 112 / 1.5 = 74.7: 80 SMs, prefill the other 52 (loose SLOs: the job's deadline needs less, decode's

@@ -119,6 +119,9 @@ def test_serve_matches_reference(weights, policy, cfg):
         assert any(res.batch.layers.stop < SPEC.num_layers for res in steps)  # layer slices too
     if policy == "chunked":  # fused launches that start with a prefill-completing (mixed) step
         assert any(res.batch.steps > 1 and any(c.num_tokens > 1 for c in res.batch.chunks) for res in steps)
+    if policy == "bullet":  # mixed launches on the prefill lane: prompts and decode rows (Bullet._mixed)
+        assert any(res.batch.lane == "prefill" and {c.num_tokens == 1 and c.start > 0 for c in res.batch.chunks} == {True, False}
+                   for res in steps)
     assert not executor._reqs  # every finished request was released
 
 

@@ -34,6 +34,17 @@ re-split at every launch of either lane:
   slack (its loan without ``BORROW_CAP``), the rest of the job runs at once on the whole GPU and decode waits
   for it. Not while the queue is blocked. Co-running saves little GPU time at the splits a tight TPOT
   leaves prefill, and a long prompt next to decode took 1.5-2x its whole-GPU time to its first token.
+* **A job and a decode step in one launch** (``_mixed_time``, ``_mixed``): a job not started and one decode
+  step of every decoding request run as one launch on the whole GPU, all layers (a decode row needs them all),
+  when that launch fits the tightest decoding request's loan (with ``slo_margin``), ``MIXED_HOLD`` of the
+  tightest TTFT target among the last ``MIXED_RECENT`` arrivals (one arriving as it starts waits for all of it)
+  and ``max_batched_tokens``, the queue is not blocked, fewer than ``BORROW_SEATS`` of the seats are taken,
+  and no queued request is predicted late and the head still meets its deadline after it; the job first takes
+  more whole prompts from the queue while all that holds. Decode rows ride in a prefill launch at the cost of
+  their attention reads, as chunked prefill's do, where the split runs decode at a fraction of its speed on
+  the few SMs its TPOT needs and slows the prefill beside it: at light load on arxiv the split's makespan was
+  1.3-2.7 % longer than chunked prefill's (bench/RESULTS.md). A decode launch in flight that ends within
+  ``WAIT_FOR_DECODE`` of the mixed launch is waited for.
 * **A job may be set aside between two of its slices** (``_urgent``) for the queue's head when the head would
   miss its TTFT deadline behind the rest of the job and meets it run alone first, and the job's own requests
   still meet theirs after it (or miss them either way); the job resumes when the head's job ends. One job at
@@ -108,8 +119,16 @@ SHED_SEATS = BORROW_SEATS
 # req/s of capacity on three windows; at 1.0 / 0.5 sharegpt paper kept +0.12 / +0.58 req/s of its gain on the
 # study's window, +0.21 / +0.54 on requests 1000-1999, arxiv none lost: means of 3 bisections)
 SHED_PROMPT_SHARE = 0.5
+MIXED_HOLD = 0.5  # a mixed launch holds the prefill lane at most this fraction of the tightest recent TTFT target ...
+MIXED_RECENT = 50  # ... among this many last arrivals
 ARRAYS_FROM = 64  # running requests from which the view reads DecodeArrays (a Python pass is faster below)
 ARRAYS_UNTIL = 16  # ... and at or under which the arrays are dropped (kept up to date only while worth it)
+
+
+def add_work(a: Work, b: Work) -> Work:
+    """The Work of two sets of chunks in one launch over the same layers: sums, and the longer KV."""
+    return new_work(Work, (a.num_layers, a.tokens + b.tokens, a.seqs + b.seqs, a.attn_pairs + b.attn_pairs,
+                           a.kv_read + b.kv_read, a.samples + b.samples, a.embed or b.embed, max(a.max_kv, b.max_kv)))
 
 
 class DecodeView(NamedTuple):
@@ -261,6 +280,8 @@ class Bullet(LayerSliced):
         self._recent: deque[list] = deque()
         self._shed: set[int] = set()  # queued requests deferred on arrival (_shed)
         self.num_shed = 0
+        self.num_mixed = 0  # mixed launches: a job and a decode step of every decoding request (_mixed_time)
+        self._targets: deque[float] = deque(maxlen=MIXED_RECENT)  # the last arrivals' TTFT targets
 
     # ---- arrivals ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -275,6 +296,7 @@ class Bullet(LayerSliced):
                 raise SchedulingError(f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > "
                                       f"target {1e3 * target:.0f} ms")
         self.target[req.id], self.deadline[req.id] = target, deadline
+        self._targets.append(target)
         if self.cfg.overload_deferral and target < math.inf and self._shed_on_arrival(req):
             self._shed.add(req.id)
             self.num_shed += 1
@@ -384,7 +406,7 @@ class Bullet(LayerSliced):
 
     # ---- scheduling --------------------------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
-        return {"jobs_set_aside": self.num_paused, "requests_deferred": self.num_shed}
+        return {"jobs_set_aside": self.num_paused, "requests_deferred": self.num_shed, "mixed_launches": self.num_mixed}
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:
         return self._schedule_prefill(now, horizon) if lane == "prefill" else self._schedule_decode(now, horizon)
@@ -423,6 +445,15 @@ class Bullet(LayerSliced):
         alone = not d_cur and not view.work.seqs  # nothing to share SMs with: the rest of the job at once
         layers = range(first, L if alone else min(first + self.layers_step, L))
         work = self._job_work(layers)
+        if first == 0 and view.work.seqs:  # a job not started, with requests decoding: one mixed launch?
+            t = self._mixed_time(now, view)
+            if t is not None:
+                if not d_cur:
+                    batch = self._mixed(now, view)
+                    if batch is not None:
+                        return batch
+                elif self._predicted_decode_end() - now < WAIT_FOR_DECODE * t:
+                    return None  # once decode's launch in flight ends
         p = self.N if alone else self._prefill_want(now, work, view)
         if p < self.N and not alone and self._whole_gpu(now, view, p):
             if d_cur:
@@ -445,6 +476,85 @@ class Bullet(LayerSliced):
         self.prefill_until = now + duration
         self._slice_work, self._slice_rate = work, (now, 0.0, duration)
         return self._launch("prefill", batch, reqs)
+
+    def _mixed_limit(self, view: DecodeView) -> float:
+        """The longest mixed launch (:meth:`_mixed_time`): the tightest decoding request's loan with
+        ``slo_margin`` to spare, and MIXED_HOLD of the tightest TTFT target among the last MIXED_RECENT arrivals
+        (a request arriving as it starts waits for all of it: no slice boundary to set it aside at)."""
+        hold = MIXED_HOLD * min(self._targets) if self._targets else math.inf
+        return min(view.loan * (1 - self.cfg.slo_margin), hold)
+
+    def _mixed_time(self, now: float, view: DecodeView) -> float | None:
+        """The predicted time of the job (not started) and one decode step of every decoding request (``view``)
+        in one launch on the whole GPU, if it may run so; None if not. Decode rows ride in a prefill launch
+        at the cost of their attention reads (their weights are read for the prompt anyway), where the split
+        runs decode on the few SMs its TPOT needs at a fraction of its speed and slows the prefill next to it
+        (the fitted H200 model: a 3000-token slice 19-30 % slower next to decode on 8-16 SMs; arxiv at light
+        load, bench/RESULTS.md). It may when the launch fits :meth:`_mixed_limit` and ``max_batched_tokens``, the
+        queue is not blocked, fewer than BORROW_SEATS of the seats are taken (slow decode holds them), no queued
+        request is predicted late and the queue's head still meets its TTFT deadline after it."""
+        if (self.waiting and not self.admissible()) or len(self.running) >= BORROW_SEATS * self.cfg.max_num_seqs:
+            return None
+        w, v = self._job_work(self.all_layers), view.work
+        if w.tokens + v.tokens > self.cfg.max_batched_tokens:
+            return None
+        t = float(self.latency.predict(add_work(w, v), self.N))
+        if t > self._mixed_limit(view) or not self._queue_keeps(now, t):
+            return None
+        return t
+
+    def _queue_keeps(self, now: float, t: float, skip: int = 0) -> bool:
+        """No queued request is predicted late, and the head (past the first ``skip``) meets its TTFT deadline
+        after ``t`` seconds more of prefill (at the per-token speed prefill has now)."""
+        late = self._late
+        if late and any(r.id in late for r in self.waiting):
+            return False
+        if len(self.waiting) <= skip:
+            return True
+        head = self.waiting[skip]
+        return now + t + head.known * self._prefill_per_token() <= self.deadline.get(head.id, math.inf)
+
+    def _mixed(self, now: float, view: DecodeView) -> Batch | None:
+        """The mixed launch :meth:`_mixed_time` allowed: the decode step's KV taken (None when the pool cannot
+        hold it), the job grows by whole prompts from the queue's head while the launch still fits its limit and
+        the token budget, each added request meets its own deadline and the queue keeps (fewer, larger
+        launches: each one reads every decoding request's KV once); then the job's chunks and a decode chunk of
+        every decoding request run on the whole GPU, all layers (a decode row needs them all)."""
+        decoders = self._decoders()
+        kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
+        grow = [(r.id, r.num_computed + 1) for r in decoders if r.num_computed >= len(tables[r.id]) * bs]
+        if len(grow) > kv.num_free:
+            return None
+        if grow:
+            kv.grow(grow)
+        chunks, reqs, _ = self.job
+        L, N, limit, budget = self.model.num_layers, self.N, self._mixed_limit(view), self.cfg.max_batched_tokens
+        work = add_work(self._job_work(self.all_layers), view.work)
+        while self.admissible():
+            r = self.waiting[0]
+            k = r.known
+            c = min(len(self._hits(r)) * bs, k - 1)  # what it computes: its prompt less a cached prefix
+            n = k - c
+            more = add_work(work, Work(L, n, 1, n * c + n * (n + 1) / 2, k, 1, True, k))
+            t_more = float(self.latency.predict(more, N))
+            if more.tokens > budget or t_more > limit or now + t_more > self.deadline.get(r.id, math.inf):
+                break
+            if not self._queue_keeps(now, t_more, 1):
+                break
+            self._admit(r)
+            kv.allocate(r.id, r.known)
+            chunks += (self._prefill_chunk(r, r.remaining),)
+            reqs.append(r)
+            self.busy.add(r.id)
+            work = more
+        self.job = (chunks, reqs, 0)
+        batch = Batch(self._part("prefill", N), self.all_layers, tuple(self._decode_chunks(decoders)) + chunks)
+        work = work_of(batch, L)
+        note_work(self.latency, batch, L, work)
+        self.prefill_until = now + float(self.latency.predict(work, N))
+        self._slice_work = work
+        self.num_mixed += 1
+        return self._launch("prefill", batch, decoders + reqs)
 
     def _urgent(self, now: float, d_cur: int) -> bool:
         """Whether to set the job in flight aside between two of its slices for the queue's head (ordered
