@@ -470,9 +470,14 @@ class Bullet(LayerSliced):
             rest = self._job_work(range(first, L))
             if horizon is None or now + float(self.latency.predict(rest, p, co, d_cur)) <= horizon:
                 layers, work = range(first, L), rest
-        batch = Batch(self._part("prefill", p), layers, chunks)
-        note_work(self.latency, batch, L, work)
-        duration = float(self.latency.predict(work, p, co, d_cur))
+        return self._start_prefill(now, Batch(self._part("prefill", p), layers, chunks), work, reqs, co, d_cur)
+
+    def _start_prefill(self, now: float, batch: Batch, work: Work, reqs: list[Request], co: Work | None = None,
+                       d_cur: int = 0) -> Batch:
+        """Launch a prefill-lane batch whose Work is ``work`` next to ``co`` on ``d_cur`` SMs (or alone): its
+        predicted end and rate, which :meth:`_slice_end` re-times when decode starts beside it."""
+        note_work(self.latency, batch, self.model.num_layers, work)
+        duration = float(self.latency.predict(work, batch.partition.num_sms, co, d_cur))
         self.prefill_until = now + duration
         self._slice_work, self._slice_rate = work, (now, 0.0, duration)
         return self._launch("prefill", batch, reqs)
@@ -549,12 +554,8 @@ class Bullet(LayerSliced):
             work = more
         self.job = (chunks, reqs, 0)
         batch = Batch(self._part("prefill", N), self.all_layers, tuple(self._decode_chunks(decoders)) + chunks)
-        work = work_of(batch, L)
-        note_work(self.latency, batch, L, work)
-        self.prefill_until = now + float(self.latency.predict(work, N))
-        self._slice_work = work
         self.num_mixed += 1
-        return self._launch("prefill", batch, decoders + reqs)
+        return self._start_prefill(now, batch, work_of(batch, L), decoders + reqs)
 
     def _urgent(self, now: float, d_cur: int) -> bool:
         """Whether to set the job in flight aside between two of its slices for the queue's head (ordered
