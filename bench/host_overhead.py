@@ -139,6 +139,9 @@ def main() -> None:
                     help="prefill attention: the one-call kernel over the pool, or SDPA per sequence")
     ap.add_argument("--prefill-graphs", action="store_true",
                     help="capture prefill graphs (every token bucket, all layers, greedy) for the whole GPU first")
+    ap.add_argument("--decode-rows", action="store_true",
+                    help="with --prefill-graphs: also capture the variant whose decode rows take the decode kernel "
+                         "(as chunked's serving does), which mixed launches then replay")
     ap.add_argument("--token-buckets", default="",
                     help="token buckets of the prefill graphs, comma-separated (default: the executor's)")
     ap.add_argument("--profile-top", type=int, default=12, help="functions listed per profiled launch (0: none)")
@@ -161,7 +164,8 @@ def main() -> None:
 
         free0 = torch.cuda.mem_get_info()[0] if cuda else 0
         t = time.perf_counter()
-        n = ex.capture_prefill("all", gpu.num_sms if cuda else 1)
+        n = ex.capture_prefill("all", gpu.num_sms if cuda else 1,
+                               decode_rows=(False, True) if args.decode_rows else (False,))
         free1 = torch.cuda.mem_get_info()[0] if cuda else 0
         print(f"captured {n} prefill graphs (buckets {ex.prefill_graphs['all'].buckets}) in "
               f"{time.perf_counter() - t:.1f} s, {(free0 - free1) / 2**20:.0f} MiB")

@@ -70,6 +70,11 @@ def validate(
     prefill_graphs: Annotated[bool, typer.Option(
         help="Capture prefill/mixed-launch CUDA graphs (token buckets up to 512) for the policy's partitions "
              "before serving; small launches then replay them instead of ~300 eager kernel launches.")] = True,
+    prefill_graph_tokens: Annotated[int, typer.Option(
+        help="The largest prefill graph's token bucket (a power of two, 16-8192; buckets are the powers of two "
+             "from 16 up to it). Above 512 the fitted model's launches still count eager host time for the "
+             "launches the profile ran eagerly (its metadata's prefill_graphs), so use it with --latency "
+             "roofline or a profile measured with the same buckets.")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     save_scaled: Annotated[Path | None, typer.Option(
         help="Write the fitted latency model scaled by the launch speed measured over all runs (this card's "
@@ -93,6 +98,9 @@ def validate(
     if out is not None and out.exists() and not out.is_dir():
         raise fail(f"--out {out}: exists and is not a folder")
     gap = parse_host_gap(host_gap)
+    if not (16 <= prefill_graph_tokens <= 8192 and prefill_graph_tokens & (prefill_graph_tokens - 1) == 0):
+        raise fail(f"--prefill-graph-tokens must be a power of two in 16-8192, got {prefill_graph_tokens}")
+    buckets = tuple(2 ** i for i in range(4, prefill_graph_tokens.bit_length()))
     if save_scaled is not None:
         from .cli import check_out_file
 
@@ -141,7 +149,7 @@ def validate(
     with console.status("starting the executor"):
         try:
             ex = GpuExecutor(spec, weights, device, num_blocks=num_blocks if num_blocks or cuda else 4096,
-                             gpu_memory_utilization=gpu_memory_utilization)
+                             gpu_memory_utilization=gpu_memory_utilization, token_buckets=buckets)
         except (ValueError, RuntimeError, OSError) as e:
             raise fail(f"cannot start the executor: {e}") from None
         if cuda:

@@ -60,17 +60,18 @@ def make_requests(n=7, seed=0, with_ids=False):
 
 
 def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, prefix_caching=False,
-              waves=None, prefill_graphs=(), **cfg):
+              waves=None, prefill_graphs=(), decode_rows=(False,), **cfg):
     """``waves``: lists of requests served one after another by the same scheduler and executor (so that
     later ones can find earlier ones' blocks in the prefix cache); default one wave of ``reqs``.
     ``prefill_graphs``: (lane, SMs) pairs to capture prefill graphs for, every bucket, the whole forward and
-    each one-layer slice."""
+    each one-layer slice (``decode_rows``: the variants, ``GpuExecutor.capture_prefill``)."""
     gpu = GPUS["h200"]
     executor = GpuExecutor(SPEC, "dummy", device, block_size=4, num_blocks=num_blocks, seed=SEED,
                            weights=weights, dtype=dtype, menu=menu, token_buckets=(16, 32, 64), graph_max_seqs=8)
     L = SPEC.num_layers
     for lane, sms in prefill_graphs:
-        executor.capture_prefill(lane, sms, layer_ranges=[range(L)] + [range(i, i + 1) for i in range(L)])
+        executor.capture_prefill(lane, sms, layer_ranges=[range(L)] + [range(i, i + 1) for i in range(L)],
+                                 decode_rows=decode_rows)
     kv = BlockManager(num_blocks, 4, prefix_caching)
     sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers))
     steps = []
@@ -80,6 +81,7 @@ def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, me
     executor.sched = sched
     executor.num_graphs = sum(len(lg.graphs) for lg in executor._graphs.values())  # before close() drops them
     executor.prefill_replays = sum(pg.replays for pg in executor.prefill_graphs.values())
+    executor.decode_row_replays = sum(pg.decode_replays for pg in executor.prefill_graphs.values())
     executor.close()
     return done, steps, executor
 
@@ -125,22 +127,26 @@ def test_serve_matches_reference(weights, policy, cfg):
     assert not executor._reqs  # every finished request was released
 
 
-@pytest.mark.parametrize("policy,cfg,lanes", [
-    ("chunked", {"max_batched_tokens": 16}, [("all", 132)]),
-    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, [("all", 132)]),
+@pytest.mark.parametrize("policy,cfg,lanes,rows", [
+    ("chunked", {"max_batched_tokens": 16}, [("all", 132)], (False,)),
+    ("chunked", {"max_batched_tokens": 16}, [("all", 132)], (False, True)),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, [("all", 132)], (False, True)),
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1, "prefill_sms": 92},
-     [("prefill", 92), ("decode", 40)]),
+     [("prefill", 92), ("decode", 40)], (False,)),
 ])
-def test_serve_through_prefill_graphs_matches_reference(weights, policy, cfg, lanes):
+def test_serve_through_prefill_graphs_matches_reference(weights, policy, cfg, lanes, rows):
     """Prefill and mixed launches replayed from prefill graphs (on the CPU, the same body re-run on the
     static buffers: padding rows and sequences, tile tables, one-layer slices handing over the hidden state,
-    sampling rows) give the reference's tokens."""
+    sampling rows; with ``rows`` (False, True), the mixed launches' decode rows through the decode kernel)
+    give the reference's tokens."""
     reqs = make_requests(7, seed=4, with_ids=True)
-    done, steps, executor = run_serve(weights, reqs, policy, prefill_graphs=lanes, **cfg)
+    done, steps, executor = run_serve(weights, reqs, policy, prefill_graphs=lanes, decode_rows=rows, **cfg)
     check_against_reference(weights, done, reqs)
     graphed = [r for r in steps if sum(c.num_tokens for c in r.batch.chunks) <= 64 and len(r.batch.chunks) <= 8
                and any(c.num_tokens > 1 for c in r.batch.chunks)]
     assert graphed and executor.prefill_replays >= len(graphed)
+    mixed = [r for r in graphed if r.batch.chunks[0].num_tokens == 1]  # (and a lone prompt chunk of one token)
+    assert executor.decode_row_replays >= len(mixed) > 0 if True in rows else executor.decode_row_replays == 0
 
 
 def test_prepare_graphs_captures_each_policys_lanes_and_ranges(weights):
@@ -161,7 +167,11 @@ def test_prepare_graphs_captures_each_policys_lanes_and_ranges(weights):
         counts = prepare_graphs(ex, cfg, gpu)
         got = {lane: sorted({(k[2], k[3]) for k in pg.graphs}) for lane, pg in ex.prefill_graphs.items()}
         assert got == {lane: sorted((r.start, r.stop) for r in rs) for lane, rs in want.items()}, cfg.policy
-        assert counts["prefill"] == 2 * sum(len(rs) for rs in want.values())  # two token buckets each
+        # two token buckets each; chunked's lane with and without decode rows through the decode kernel, and
+        # bullet's whole forward (its mixed launch) with them too
+        ranges = sum(len(rs) for rs in want.values())
+        want_graphs = {"chunked": 2 * 2 * ranges, "static-split": 2 * ranges, "bullet": 2 * (ranges + 1)}
+        assert counts["prefill"] == want_graphs[cfg.policy]
         assert all(k[1] in (16, 32) for pg in ex.prefill_graphs.values() for k in pg.graphs)
         ex.close()
 
@@ -182,8 +192,8 @@ def test_prepare_graphs_captures_bullets_default_slices():
         def capture(self, lane, sms, sizes):
             self.decode.append((lane, sms))
 
-        def capture_prefill(self, lane, sms, layer_ranges):
-            self.prefill.append((lane, sms, list(layer_ranges)))
+        def capture_prefill(self, lane, sms, layer_ranges, decode_rows=(False,)):
+            self.prefill.append((lane, sms, list(layer_ranges), tuple(decode_rows)))
 
     cfg = SchedulerConfig(policy="bullet", decode_sizes=(16, 40))
     assert cfg.prefill_layers(32) == 8 and SchedulerConfig(policy="static-split").prefill_layers(32) == 32
@@ -191,7 +201,9 @@ def test_prepare_graphs_captures_bullets_default_slices():
     prepare_graphs(ex, cfg, GPUS["h200"])
     want = [range(8), range(8, 16), range(16, 24), range(24, 32), range(32)]
     rests = [range(8, 32), range(16, 32), range(24, 32)]  # the whole GPU: a job's rest at once (bullet._whole_gpu)
-    assert ex.prefill == [("prefill", 116, want), ("prefill", 92, want), ("prefill", 132, want + rests)]
+    no = (False,)
+    assert ex.prefill == [("prefill", 116, want, no), ("prefill", 92, want, no), ("prefill", 132, want + rests, no),
+                          ("prefill", 132, [range(32)], (True,))]  # the mixed launch's decode rows (Bullet._mixed)
     assert ex.decode == [("decode", 16), ("decode", 40), ("decode", 132)]
 
 
@@ -207,10 +219,10 @@ def test_prepare_graphs_out_of_memory_names_the_way_out():
             if sms == 40:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 110.00 MiB")
 
-        def capture_prefill(self, lane, sms, layer_ranges):
+        def capture_prefill(self, lane, sms, layer_ranges, decode_rows=(False,)):
             pass
 
-    with pytest.raises(MemoryError, match=r"partition 2 of 6 \(3 decode sizes, 3 prefill sizes\).*--decode-sizes"
+    with pytest.raises(MemoryError, match=r"partition 2 of 7 \(3 decode sizes, 3 prefill sizes\).*--decode-sizes"
                                           r".*--gpu-memory-utilization"):
         prepare_graphs(Full(), SchedulerConfig(policy="bullet", decode_sizes=(16, 40)), GPUS["h200"])
 
@@ -372,16 +384,21 @@ def test_seeded_sampling_is_deterministic(weights):
     ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, ()),
     ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}, [("all", 132)]),
     ("prefill-first", {"max_batched_tokens": 24, "async_scheduling": True}, [("all", 132)]),
+    ("chunked", {"max_batched_tokens": 16, "decode_rows": (False, True)}, [("all", 132)]),
+    ("chunked", {"max_batched_tokens": 16, "async_scheduling": True, "decode_rows": (False, True)},
+     [("all", 132)]),
 ])
 def test_gpu_serve_matches_reference(weights, gpu_menu, policy, cfg, lanes):
     """float32 on the GPU (Triton kernels, green-context streams, decode graphs, and prefill graphs where
-    ``lanes`` asks) against the reference."""
+    ``lanes`` asks; with ``decode_rows`` (False, True) the mixed launches' decode rows through the decode
+    kernel inside the graph) against the reference."""
     reqs = make_requests(7, seed=2, with_ids=True)
     done, _steps, executor = run_serve(weights, reqs, policy, device="cuda", dtype=torch.float32,
                                        menu=gpu_menu, prefill_graphs=lanes, **cfg)
     check_against_reference(weights, done, reqs)
     assert executor.num_graphs > 0  # decode ran as CUDA graphs captured on the partitions
     assert (executor.prefill_replays > 0) == bool(lanes)
+    assert (executor.decode_row_replays > 0) == (True in cfg.get("decode_rows", ()))
 
 
 @pytest.mark.gpu

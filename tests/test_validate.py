@@ -172,7 +172,8 @@ def test_validate_load_scales_rates_by_the_simulated_capacity(tmp_path):
     for bad, msg in ((["--load", "0.5", "--rate", "3"], "not both"), (["--load", "0"], "--load must be"),
                      (["--load", "x"], "--load must be"),
                      (["--load", "0.5", "--slo-ttft", "0.01"], "< 90 % of requests at any rate"),
-                     (["--load", "0.5", "--slo-ttft", "3000"], "every request at once")):
+                     (["--load", "0.5", "--slo-ttft", "3000"], "every request at once"),
+                     (["--rate", "3", "--prefill-graph-tokens", "1000"], "power of two in 16-8192")):
         res = runner.invoke(app, [*args, *bad])
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, (bad, res.output)
 

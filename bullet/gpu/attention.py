@@ -49,6 +49,9 @@ class AttnMeta:
     q_lens: tuple[int, ...]  # host copies, used by the prefill path only
     ctx_lens: tuple[int, ...] | None
     tiles: torch.Tensor | None = None  # [tiles, 2] int32 (sequence, first token): the one-call prefill path
+    # prefill graphs: contexts of rows [0, num_decode) for the decode kernel (0: not a decode row, output 0);
+    # the tile table then covers every other row, whatever num_decode says
+    decode_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -238,10 +241,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta,
         # one prompt from position 0 and nothing else: SDPA's output is the result, no copy
         return _prefill_one(q, k, v, None, scale, cfg)
     out = torch.empty((T, H, D), device=q.device, dtype=q.dtype)
+    lens = meta.context_lens if meta.decode_lens is None else meta.decode_lens
     if nd:
-        paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], lens[:nd],
                                scale, meta.max_context, out=out[:nd], **(decode_config or {}))
-    if nd == meta.num_seqs:
+    if nd == meta.num_seqs and meta.decode_lens is None:
         return out
     if meta.tiles is not None:  # every multi-token chunk in one call, keys and values from the pool
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_starts, meta.context_lens,

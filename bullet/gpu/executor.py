@@ -70,7 +70,7 @@ from .kernels.skinny import load_table
 from .kvcache import PagedKvCache
 from .model import Model
 from .partitions import PartitionMenu, Side
-from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs
+from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs, leading_decode
 from .sampling import sample
 from .weights import load_weights
 
@@ -375,10 +375,13 @@ class GpuExecutor:
                 self.graphs(lane).capture(side, bs, greedy)
 
     def capture_prefill(self, lane: Lane, num_sms: int, buckets: Sequence[int] | None = None,
-                        layer_ranges: Sequence[range] | None = None, greedy: Sequence[bool] = (True,)) -> int:
+                        layer_ranges: Sequence[range] | None = None, greedy: Sequence[bool] = (True,),
+                        decode_rows: Sequence[bool] = (False,)) -> int:
         """Capture prefill/mixed-launch graphs ahead of use for ``lane`` on the partition a batch with
         ``num_sms`` gets: every token bucket (default: all) x layer range (default: all layers) x sampling
-        mode. Returns how many graphs the lane has. On the CPU the "graphs" re-run the same body (tests)."""
+        mode x ``decode_rows`` variant (True: leading decode rows through the decode kernel, for lanes whose
+        launches carry decode rows: ``PrefillGraphs.key``). Returns how many graphs the lane has. On the CPU
+        the "graphs" re-run the same body (tests)."""
         if self.cuda and not self.use_graphs:
             return 0
         pg = self._lane_prefill_graphs(lane)
@@ -386,7 +389,8 @@ class GpuExecutor:
         for b in sorted(buckets or pg.buckets, reverse=True):  # largest first, as decode graphs (capture)
             for layers in layer_ranges or (range(self.spec.num_layers),):
                 for g in greedy:
-                    pg.capture(side, b, layers, g)
+                    for dec in decode_rows:
+                        pg.capture(side, b, layers, g, dec)
         return len(pg.graphs)
 
     def capture_prefill_for(self, batch: Batch, greedy: bool = True) -> bool:
@@ -399,7 +403,7 @@ class GpuExecutor:
         if b is None:
             return False
         side = self.menu.side(batch.lane, batch.partition.num_sms) if self.cuda else None
-        pg.capture(side, b, batch.layers, greedy)
+        pg.capture(side, b, batch.layers, greedy, leading_decode(batch.chunks) > 0)
         return True
 
     def _lane_prefill_graphs(self, lane: Lane) -> PrefillGraphs:
@@ -423,9 +427,11 @@ class GpuExecutor:
             return None
         full = layers.stop == self.spec.num_layers
         greedy, temp, top_p, seeds, offsets = self._sampling_args(samp, 1) if full else (True,) * 5
-        if pg.key(side, b, layers, greedy) not in pg.graphs:
+        # leading decode rows take the decode kernel in the variant captured for them, where there is one
+        dec = leading_decode(chunks) > 0 and pg.key(side, b, layers, greedy, True) in pg.graphs
+        if pg.key(side, b, layers, greedy, dec) not in pg.graphs:
             return None
-        return pg.run(side, chunks, x, b, layers, greedy, None if greedy else (temp, top_p, seeds, offsets))
+        return pg.run(side, chunks, x, b, layers, greedy, None if greedy else (temp, top_p, seeds, offsets), dec)
 
     # ------------------------------------------------------------------ inputs
     def _state(self, req_id: int) -> _ReqState:
@@ -849,7 +855,13 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
     # with 17 GiB cached and unused (H200, fourteenth session: bench/RESULTS.md). What stays is the graphs'
     # own pools, about 0.6 GiB per decode size and 0.1 GiB per prefill size for Llama-3.1-8B.
     jobs = [partial(ex.capture, lane, sms, ex.graph_buckets) for lane, sms in decode]
-    jobs += [partial(ex.capture_prefill, lane, sms, layer_ranges=ranges) for lane, sms, ranges in (pre if prefill else ())]
+    # launches with decode rows: chunked's and prefill-first's on the whole GPU, bullet's mixed launch (the whole
+    # forward on the whole GPU, Bullet._mixed): graphs whose decode rows take the decode kernel as well
+    rows = (False, True) if cfg.policy in ("chunked", "prefill-first") else (False,)
+    jobs += [partial(ex.capture_prefill, lane, sms, layer_ranges=ranges, decode_rows=rows)
+             for lane, sms, ranges in (pre if prefill else ())]
+    if prefill and cfg.policy == "bullet":
+        jobs.append(partial(ex.capture_prefill, "prefill", N, layer_ranges=[range(L)], decode_rows=(True,)))
     for i, job in enumerate(jobs):
         if ex.cuda:
             torch.cuda.empty_cache()
