@@ -68,11 +68,11 @@ def truth_model() -> FittedModel:
     return FittedModel(data, host=True)
 
 
-def synthetic_profile(folder: Path) -> Path:
+def synthetic_profile(folder: Path, fm: FittedModel | None = None) -> Path:
     """The real profile's shapes with times made by the truth model (host below GPU time on purpose)."""
     folder.mkdir(parents=True)
     shutil.copy(H200_PROFILE / "metadata.json", folder / "metadata.json")
-    fm = truth_model()
+    fm = fm or truth_model()
     with (H200_PROFILE / "points.csv").open() as f:
         rows = list(csv.DictReader(f))
     real = load_profile(H200_PROFILE).rows
@@ -229,11 +229,11 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 3
+    assert data["version"] == 4
     FittedModel(truth_model().data)  # version 1
-    FittedModel(json.loads((ROOT / "profiles/h200/qwen3-8b/model.json").read_text()))  # version 2 (shipped)
-    with pytest.raises(ConfigError, match=r"version 4, this bullet reads versions 1, 2, 3: refit it"):
-        FittedModel({**data, "version": 4})
+    FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
+    with pytest.raises(ConfigError, match=r"version 5, this bullet reads versions 1, 2, 3, 4: refit it"):
+        FittedModel({**data, "version": 5})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
@@ -536,3 +536,106 @@ def test_a_scaled_model_is_the_card_factor_times_its_gpu_time(tmp_path):
         path.write_text(json.dumps({**fm.data, "scale": bad}))
         with pytest.raises(ConfigError, match=f"{path}.*{field}"):
             FittedModel.load(path)
+
+
+# ---------------------------------------------------------------- the measured GEMM table (gemm.csv)
+GEMM = {"sms": [8, 16, 32], "rows": [2, 64, 128],
+        "layer_s": [[4e-4, 2.4e-4, 1.6e-4],    # 2 rows
+                    [6e-4, 3.0e-4, 3.2e-4],    # 64 rows: measured slower on 32 SMs than on 16
+                    [1.0e-3, 5.0e-4, 3.0e-4]]}  # 128 rows
+
+
+def test_gemm_table_by_hand():
+    """Rows: measured, linear between counts and past the largest; SMs: the running minimum over the table's
+    counts (never slower with more SMs), linear in 1/n between them, 1/n below the smallest, flat above."""
+    from bullet.perfmodel.fitted import GemmTable
+
+    g = GemmTable.of(GEMM)
+    assert g.at_rows(64) == [6e-4, 3.0e-4, 3.0e-4]  # 3.2e-4 on 32 SMs taken at 16 SMs' 3.0e-4
+    # halfway between 64 and 128 rows, as measured (3.2e-4 on 32 SMs), then the running minimum (none binds)
+    assert g.at_rows(96) == pytest.approx([8e-4, 4.0e-4, 3.1e-4], rel=1e-12)
+    # 256 rows: 128's + the 64-to-128 slope x 2: 1.0 + 2 x 0.4 = 1.8; 0.5 + 2 x 0.2 = 0.9; on 32 SMs
+    # 0.30 + 2 x (0.30 - 0.32) = 0.26, held at 128 rows' 0.30 (more rows never faster)
+    assert g.at_rows(256) == pytest.approx([1.8e-3, 9.0e-4, 3.0e-4], rel=1e-12)
+    col = g.column(128, 132)
+    assert col[4] == pytest.approx(2e-3, rel=1e-12)  # 1/n below 8 SMs
+    assert col[8] == 1.0e-3 and col[16] == 5.0e-4 and col[32] == 3.0e-4
+    # 24 SMs: a = (1/24 - 1/32) / (1/16 - 1/32) = 1/3 -> 5e-4 / 3 + 3e-4 x 2/3
+    assert col[24] == pytest.approx(5e-4 / 3 + 2e-4, rel=1e-12)
+    assert col[100] == 3.0e-4 and col[132] == 3.0e-4
+    assert all(a >= b for a, b in zip(g.column(64, 132)[1:], g.column(64, 132)[2:]))
+    with pytest.raises(ValueError, match="positive time"):
+        GemmTable.of({**GEMM, "layer_s": GEMM["layer_s"][:2]})
+
+
+def test_gemm_table_term_by_hand():
+    """One term, 0.9 x gemm_table: 0.9 x L x the table's seconds at the graph bucket's rows (a batch of 100 runs
+    the 128-row bucket); a batch of one takes the GEMV path (no GEMM term); the array path gives the same."""
+    fm = truth_model()
+    zero = {"terms": [["launch", "one"]], "coef": [0.0]}
+    fams = {fam: zero for fam in TRUE}
+    fams["decode_first"] = {"terms": [["gemm_table", "one"]], "coef": [0.9]}
+    fm1 = FittedModel({**fm.data, "version": 4, "families": fams, "gemm_table": GEMM})
+    w = Work(32, 100, 100, 100 * 500.0, 100 * 500, 100, True, 500)
+    assert fm1.predict(w, 16) == pytest.approx(0.9 * 32 * 5.0e-4, rel=1e-12)
+    assert fm1.predict(w, 24) == pytest.approx(0.9 * 32 * (5e-4 / 3 + 2e-4), rel=1e-12)
+    assert fm1.predict(Work(32, 1, 1, 500.0, 500, 1, True, 500), 16) == 0.0
+    n = np.array([4, 8, 16, 24, 32, 132])
+    assert fm1.predict(w, n).tolist() == [fm1.predict(w, int(k)) for k in n]
+    assert FittedModel({**fm1.data, "gemm_table": None}).predict(w, 16) == 0.0  # no table: no term
+
+
+def write_gemm_csv(path: Path, table: dict) -> None:
+    """A gemm.csv whose taken kernels sum, per layer, to ``table``: qkv, o and down 10 % each, gate-up 70 %; the
+    down product taken from the skinny column (the other kernel's time, 2x, is not the one summed)."""
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["sms", "rows", "product", "cublas_s", "skinny_s", "taken"])
+        for i, r in enumerate(table["rows"]):
+            for j, s in enumerate(table["sms"]):
+                t = table["layer_s"][i][j]
+                for p, share in (("qkv", 0.1), ("o", 0.1), ("gate_up", 0.7), ("down", 0.1)):
+                    cub, sk = (share * t, 2 * share * t) if p != "down" else (2 * share * t, share * t)
+                    out.writerow([s, r, p, repr(cub), repr(sk), "skinny" if p == "down" else "cublas"])
+
+
+def test_fitting_recovers_the_gemm_table_coefficient(tmp_path):
+    """A synthetic profile whose decode steps are 0.8 x gemm_table + the truth's other terms, with its gemm.csv:
+    the fit reads the table (summing the taken kernels) and recovers every coefficient."""
+    truth = {**TRUE, "decode_step": [*TRUE["decode_step"], (("gemm_table", "one"), 0.8)],
+             "decode_first": [*TRUE["decode_first"], (("gemm_table", "one"), 0.7)]}
+    table = {"sms": [8, 24, 40, 56, 72, 88, 104, 132], "rows": [2, 8, 32, 64, 128, 256],
+             "layer_s": [[(1 + 0.01 * r) * 1e-3 * 8 / min(s, 60) * (1.05 if s == 104 else 1.0) for s in
+                          [8, 24, 40, 56, 72, 88, 104, 132]] for r in [2, 8, 32, 64, 128, 256]]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 4, "families": fams, "gemm_table": table})
+    folder = synthetic_profile(tmp_path / "synthetic", fm)
+    write_gemm_csv(folder / "gemm.csv", table)
+    prof = load_profile(folder)
+    assert np.asarray(prof.gemm["layer_s"]) == pytest.approx(np.asarray(table["layer_s"]), rel=1e-12)
+    terms = {fam: [t for t, _ in v] for fam, v in truth.items()}
+    model = fit_model(prof, prof.rows, terms)
+    for fam in ("decode_step", "decode_first"):
+        assert model["families"][fam]["coef"] == pytest.approx([c for _, c in truth[fam]], rel=1e-4, abs=1e-9)
+    assert np.asarray(model["gemm_table"]["layer_s"]) == pytest.approx(np.asarray(table["layer_s"]), rel=1e-12)
+    # the default terms take the table where the profile has one
+    assert ["gemm_table", "one"] in fit_model(prof, prof.rows)["families"]["decode_step"]["terms"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows[:-1], r"no down at 128 rows on 32 SMs"),
+    (lambda rows: [*rows[:1], [*rows[1][:2], "lm_head", *rows[1][3:]], *rows[2:]], r"line 2, field 'product'"),
+    (lambda rows: [*rows[:1], [*rows[1][:5], "cutlass"], *rows[2:]], r"line 2, field 'taken'"),
+    (lambda rows: [*rows[:1], [*rows[1][:3], "fast", *rows[1][4:]], *rows[2:]], r"line 2, field 'cublas_s'"),
+    (lambda rows: [*rows[:1], ["140", *rows[1][1:]], *rows[2:]], r"line 2, field 'sms': 140"),
+])
+def test_bad_gemm_csv_names_file_line_and_field(tmp_path, edit, message):
+    folder = copy_profile(tmp_path)
+    path = folder / "gemm.csv"
+    write_gemm_csv(path, GEMM)
+    rows = list(csv.reader(path.read_text().splitlines()))
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(edit(rows))
+    with pytest.raises(ConfigError, match=message) as e:
+        load_profile(folder)
+    assert "gemm.csv" in str(e.value)

@@ -33,9 +33,11 @@ from .fitted import (
     FAMILIES,
     FORMAT,
     FORMAT_VERSION,
+    GEMM_PRODUCTS,
     HOST_Q,
     SHAPE_KEYS,
     FittedModel,
+    GemmTable,
     GraphLimits,
     Quantities,
     basis_table,
@@ -69,14 +71,17 @@ def ramp_bases(sms) -> list[str]:
     return [f"r{ks[0]}_{k}_{ks[i + 1] if i + 1 < len(ks) else 0}" for i, k in enumerate(ks)]
 
 
-def default_terms(num_sms: int, knots=KNOTS, eager_sms=()) -> dict[str, list[tuple[str, str]]]:
+def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -> dict[str, list[tuple[str, str]]]:
     """The terms of every family. ``eager_sms``: the partition sizes (below the whole GPU) that solo prefill or
     mixed points were measured on; with any, the eager family's quantities take one ramp per size (a
-    non-increasing weight per size, interpolated in 1/n between them), else the ``k<K>`` bases."""
+    non-increasing weight per size, interpolated in 1/n between them), else the ``k<K>`` bases. ``gemm``: the
+    profile has a measured GEMM table (``gemm.csv``): the decode families take its time as one more term."""
     ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
     dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
     dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
             ("layers", "one"), ("launch", "one")]
+    if gemm:
+        dec.append(("gemm_table", "one"))
     hs = ramp_bases(s for s in eager_sms if s < num_sms)
     if hs:
         # gemm_flops is tokens times a constant: one of the two is enough with a weight per size.
@@ -107,6 +112,7 @@ class Profile:
     num_sms: int
     rows: list[dict]  # typed, each with "line"
     sha256: str
+    gemm: dict | None = None  # gemm.csv summed per layer (the model's ``gemm_table``), where the folder has one
 
 
 def gpu_short_name(name: str) -> str:
@@ -131,7 +137,70 @@ def load_profile(folder: str | Path) -> Profile:
     rows, digest = _read_points(points_path, num_sms)
     if not rows:
         raise ConfigError(f"{points_path}: no points")
-    return Profile(folder, meta, spec, gpu_short_name(str(meta["gpu"])), num_sms, rows, digest)
+    gemm = read_gemm(folder / "gemm.csv", num_sms) if (folder / "gemm.csv").exists() else None
+    return Profile(folder, meta, spec, gpu_short_name(str(meta["gpu"])), num_sms, rows, digest, gemm)
+
+
+GEMM_COLUMNS = ("sms", "rows", "product", "cublas_s", "skinny_s", "taken")
+
+
+def read_gemm(path: Path, num_sms: int) -> dict:
+    """A profile's ``gemm.csv``: the measured seconds of each decode GEMM product (:data:`GEMM_PRODUCTS`) by SM
+    count and row count, with cuBLAS and with the skinny kernel, and which one the executor takes (``taken``:
+    ``cublas`` or ``skinny``, as the profile's skinny table chose). Returns the model's ``gemm_table``: the
+    taken kernels' seconds summed over one layer's products (:class:`~bullet.perfmodel.fitted.GemmTable`).
+    Every (SM count, rows) must have every product; errors name the file, line and field."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    reader = csv.reader(text.splitlines())
+    header = next(reader, None)
+    if header is None or tuple(header) != GEMM_COLUMNS:
+        raise ConfigError(f"{path}: line 1: expected the columns {','.join(GEMM_COLUMNS)}, got {header!r}")
+    times: dict[tuple[int, int, str], float] = {}
+    for line, f in enumerate(reader, 2):
+        if not f:
+            continue
+        if len(f) != len(GEMM_COLUMNS):
+            raise ConfigError(f"{path}: line {line}: {len(f)} of {len(GEMM_COLUMNS)} fields")
+        rec = dict(zip(GEMM_COLUMNS, f))
+        try:
+            sms, rows = int(rec["sms"]), int(rec["rows"])
+        except ValueError:
+            raise ConfigError(f"{path}: line {line}, field 'sms' or 'rows': not an integer") from None
+        if not 1 <= sms <= num_sms:
+            raise ConfigError(f"{path}: line {line}, field 'sms': {sms} is not in 1..{num_sms}")
+        if rows < 2:
+            raise ConfigError(f"{path}: line {line}, field 'rows': {rows} < 2 (one row takes the GEMV path)")
+        if rec["product"] not in GEMM_PRODUCTS:
+            raise ConfigError(f"{path}: line {line}, field 'product': {rec['product']!r} is not one of "
+                              f"{', '.join(GEMM_PRODUCTS)}")
+        if rec["taken"] not in ("cublas", "skinny"):
+            raise ConfigError(f"{path}: line {line}, field 'taken': {rec['taken']!r} is not 'cublas' or 'skinny'")
+        col = f"{rec['taken']}_s"
+        try:
+            t = float(rec[col])
+        except ValueError:
+            raise ConfigError(f"{path}: line {line}, field {col!r}: not a number: {rec[col]!r}") from None
+        if not 0.0 < t < math.inf:
+            raise ConfigError(f"{path}: line {line}, field {col!r}: must be a positive time, got {rec[col]!r}")
+        key = (sms, rows, rec["product"])
+        if key in times:
+            raise ConfigError(f"{path}: line {line}: {rec['product']} at {rows} rows on {sms} SMs appears twice")
+        times[key] = t
+    sms_all = sorted({k[0] for k in times})
+    rows_all = sorted({k[1] for k in times})
+    if len(rows_all) < 2:
+        raise ConfigError(f"{path}: needs two row counts at least")
+    for s in sms_all:
+        for r in rows_all:
+            for p in GEMM_PRODUCTS:
+                if (s, r, p) not in times:
+                    raise ConfigError(f"{path}: no {p} at {r} rows on {s} SMs (every SM count needs every "
+                                      f"row count and product)")
+    layer_s = [[sum(times[(s, r, p)] for p in GEMM_PRODUCTS) for s in sms_all] for r in rows_all]
+    return {"sms": sms_all, "rows": rows_all, "layer_s": layer_s, "source": "gemm.csv"}
 
 
 def _read_meta(path: Path) -> dict:
@@ -288,9 +357,10 @@ def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
 def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None) -> dict:
     """Fit every family on ``rows`` (of ``prof``); returns the model dict (no errors yet)."""
     if terms is None:  # the eager family's ramps sit on the partition sizes these rows measured
-        terms = default_terms(prof.num_sms, eager_sms={r["sms"] for r in rows if is_solo(r) and not is_decode(r)})
+        terms = default_terms(prof.num_sms, eager_sms={r["sms"] for r in rows if is_solo(r) and not is_decode(r)},
+                              gemm=prof.gemm is not None)
     kernels = {**DEFAULT_KERNELS, **(kernels or {})}
-    q = Quantities(prof.spec, prof.num_sms, kernels)
+    q = Quantities(prof.spec, prof.num_sms, kernels, GemmTable.of(prof.gemm))
     coef: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
 
@@ -352,7 +422,8 @@ def _assemble(prof: Profile, terms: dict, kernels: dict, coef: dict, counts: dic
                       "points": int(counts.get(name, 0))}
     return {"format": FORMAT, "version": FORMAT_VERSION, "model_spec": spec_dict(prof.spec),
             "gpu": {"name": prof.gpu, "num_sms": prof.num_sms, "device": prof.meta.get("gpu")},
-            "kernels": kernels, "families": fams, "prefill_graphs": prof.meta.get("prefill_graphs")}
+            "kernels": kernels, "families": fams, "prefill_graphs": prof.meta.get("prefill_graphs"),
+            "gemm_table": prof.gemm}
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

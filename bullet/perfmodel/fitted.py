@@ -25,7 +25,9 @@ Families (what is fitted to what in ``points.csv``; ``bullet/perfmodel/fit.py``)
 
 * ``decode_step``: one later step of a fused decode launch (CUDA graph replay), fitted to ``step_s``;
 * ``decode_first``: the first step of a decode launch (it also pays the graph inputs' preparation),
-  fitted to ``first_s``;
+  fitted to ``first_s``; both decode families take, where the profile has one (``gemm.csv``), the measured time
+  of one layer's GEMMs at the graph bucket's rows on ``n`` SMs (``gemm_table``, :class:`GemmTable`, stored in the
+  model): the skinny kernel or cuBLAS is chosen per (partition, rows) cell, which no smooth term follows;
 * ``eager``: the GPU time of an eager prefill or mixed launch, fitted to ``gpu_s`` where the launch was
   GPU-bound (``gpu_s`` clearly above ``host_s``);
 * ``host``: the host time of an eager launch (``host_s``: Python, kernel launches, per-sequence attention
@@ -75,9 +77,9 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 3  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
-# CO_DECODE_Q); older files (neither) read unchanged
-READS = (1, 2, 3)
+FORMAT_VERSION = 4  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+# CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); older files read unchanged
+READS = (1, 2, 3, 4)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -99,7 +101,9 @@ EAGER_HOSTED = True  # default of FittedModel(host=...)
 FLOAT_STRETCH = 64
 
 # quantities each family may use (computed by Quantities below)
-DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "rows", "gemm_waves", "layers", "launch")
+DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "rows", "gemm_waves", "gemm_table", "layers", "launch")
+# the layer products a decode step's GEMMs run (a profile's gemm.csv: their measured seconds by SM count and rows)
+GEMM_PRODUCTS = ("qkv", "o", "gate_up", "down")
 EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "seq_layers",
            "samples", "layers", "launch")
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
@@ -130,12 +134,81 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_di
               "vocab_size", "dtype_bytes", "tp", "qkv_bias", "qk_norm")
 
 
+class GemmTable(NamedTuple):
+    """The measured seconds of one layer's decode GEMMs (:data:`GEMM_PRODUCTS`, each with the kernel the executor
+    takes: the skinny kernel where its table chose it, else cuBLAS) by row count and SM count: a profile's
+    ``gemm.csv``, summed over the products, stored in the model as ``gemm_table``. ``layer_s[i][j]``: ``rows[i]``
+    rows on ``sms[j]`` SMs."""
+
+    sms: tuple[int, ...]
+    rows: tuple[int, ...]
+    layer_s: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def of(cls, entry: dict | None) -> GemmTable | None:
+        if not entry:
+            return None
+        if not isinstance(entry, dict):
+            raise TypeError("gemm_table: not an object")
+        sms, rows = tuple(int(x) for x in entry["sms"]), tuple(int(x) for x in entry["rows"])
+        layer_s = tuple(tuple(float(x) for x in r) for r in entry["layer_s"])
+        if list(sms) != sorted(set(sms)) or list(rows) != sorted(set(rows)) or not sms or len(rows) < 2 \
+                or sms[0] < 1 or rows[0] < 2:
+            raise ValueError("gemm_table: sms and rows must be ascending and distinct (rows >= 2, two at least)")
+        if len(layer_s) != len(rows) or any(len(r) != len(sms) for r in layer_s) or \
+                not all(0.0 < x < math.inf for r in layer_s for x in r):
+            raise ValueError("gemm_table: layer_s must hold a positive time for every rows x sms")
+        return cls(sms, rows, layer_s)
+
+    def at_rows(self, rows: int) -> list[float]:
+        """Seconds at ``rows`` rows on each of :attr:`sms`: measured where the table has the count, linear in the
+        rows between two counts and past the largest (never below the largest's), non-increasing in SMs (the
+        running minimum over the table's SM counts: a GEMM that the table measured slower on more SMs is taken
+        at the fewer SMs' time, so that more SMs never predict a slower step, which the bullet policy's
+        bisections assume)."""
+        rs, ts = self.rows, self.layer_s
+        if rows in rs:
+            col = list(ts[rs.index(rows)])
+        else:
+            i = next((k for k, r in enumerate(rs) if r > rows), len(rs) - 1)
+            i = max(i, 1)
+            a = (rows - rs[i - 1]) / (rs[i] - rs[i - 1])
+            col = [lo + a * (hi - lo) for lo, hi in zip(ts[i - 1], ts[i])]
+            if rows > rs[-1]:
+                col = [max(x, hi) for x, hi in zip(col, ts[-1])]
+        out, low = [], math.inf
+        for x in col:
+            low = min(low, x)
+            out.append(low)
+        return out
+
+    def column(self, rows: int, num_sms: int) -> list[float]:
+        """Seconds at ``rows`` rows on every SM count 0..num_sms (index; 0 unused): :meth:`at_rows`, linear in
+        1/n between the table's SM counts, as 1/n below the smallest (bandwidth linear in SMs) and flat above the
+        largest."""
+        sms, t = self.sms, self.at_rows(rows)
+        out = [0.0] * (num_sms + 1)
+        for n in range(1, num_sms + 1):
+            if n <= sms[0]:
+                out[n] = t[0] * sms[0] / n
+            elif n >= sms[-1]:
+                out[n] = t[-1]
+            else:
+                j = next(k for k, s in enumerate(sms) if s >= n)
+                if sms[j] == n:
+                    out[n] = t[j]
+                else:
+                    a = (1.0 / n - 1.0 / sms[j]) / (1.0 / sms[j - 1] - 1.0 / sms[j])
+                    out[n] = a * t[j - 1] + (1.0 - a) * t[j]
+        return out
+
+
 class Quantities:
     """The physical quantities of a launch, from the model's shapes. Every method works on plain numbers
     and, where an argument is a numpy array (SM counts, or KV tokens over fused steps), element-wise with
     the very same operations."""
 
-    def __init__(self, spec: ModelSpec, num_sms: int, kernels: dict) -> None:
+    def __init__(self, spec: ModelSpec, num_sms: int, kernels: dict, gemm: GemmTable | None = None) -> None:
         m, dt = spec, spec.dtype_bytes
         h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_per_gpu
         self.N = num_sms
@@ -153,6 +226,8 @@ class Quantities:
         self.wave_flops = [2.0 * tm * tn * b for _, b in self.gemms]  # one tile, one SM
         self.buckets = tuple(kernels["graph_buckets"])
         self.per_block = kernels["attn_block_n"]
+        self.gemm = gemm
+        self._gemm_cols: dict[int, tuple[list[float], np.ndarray]] = {}  # rows -> gemm.column, as list and array
 
     # ---------------------------------------------------------------- helpers
     def bucket(self, seqs: int) -> int:
@@ -173,6 +248,19 @@ class Quantities:
             for ct, wf in zip(self.col_tiles, self.wave_flops):
                 out = out + math.ceil(rt * ct / n) * wf
         return out
+
+    def gemm_layer(self, rows: int, n) -> Any:
+        """Measured seconds of one layer's decode GEMMs at ``rows`` rows on ``n`` SMs (:class:`GemmTable`); 0
+        without a table."""
+        if self.gemm is None:
+            return 0.0 * n
+        col = self._gemm_cols.get(rows)
+        if col is None:
+            if len(self._gemm_cols) >= 1024:
+                self._gemm_cols.clear()
+            c = self.gemm.column(rows, self.N)
+            col = self._gemm_cols[rows] = (c, np.asarray(c))
+        return col[1][n] if isinstance(n, np.ndarray) else col[0][n]
 
     def graph_splits(self, seqs: int) -> float:
         """Attention slices per (sequence, KV head) of a decode graph of ``seqs`` rows (its bucket)."""
@@ -200,6 +288,7 @@ class Quantities:
             "weights_gemv": L * self.layer_weight_bytes * 1e-9 if gemv else 0.0,
             "rows": L * b * 1e-3,
             "gemm_waves": 0.0 if gemv else L * self.gemm_waves(b, n) * 1e-12,
+            "gemm_table": 0.0 if gemv else L * self.gemm_layer(b, n),
             "layers": L * 1e-3,
             "launch": 1e-3,
         }
@@ -419,7 +508,7 @@ class FittedModel:
             self.gpu_name = str(data["gpu"]["name"])
             self.num_sms = N = int(data["gpu"]["num_sms"])
             self.kernels = {**DEFAULT_KERNELS, **data.get("kernels", {})}
-            self.q = Quantities(self.spec, N, self.kernels)
+            self.q = Quantities(self.spec, N, self.kernels, GemmTable.of(data.get("gemm_table")))
             fam = data["families"]
             self.f = {name: Linear(fam[name]["terms"], fam[name]["coef"], N) for name in FAMILIES}
             self.graphs = GraphLimits.of(data.get("prefill_graphs"))
