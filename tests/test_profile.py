@@ -62,8 +62,11 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
     # an interrupted write leaves a torn last line: it is dropped and that point measured again
     text = (out / "points.csv").read_text().splitlines(keepends=True)
     (out / "points.csv").write_text("".join(text[:-1]) + text[-1][:20])
+    gaps_meta = meta["gaps"]
     assert "measured 1 points (8 already there)" in run(out)
     assert [r["id"] for r in read_points(out / "points.csv")] == ids
+    # a resumed profile keeps the record of its gaps.csv (measured once; the resume dropped it)
+    assert json.loads((out / "metadata.json").read_text())["gaps"] == gaps_meta
     with (out / "points.csv").open() as f:
         assert sum(1 for _ in csv.reader(f)) == len(ids) + 1
 

@@ -721,15 +721,16 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             w.writeheader()
             w.writerows(rows)
         os.replace(tmp, path)
+    old_meta = _old_meta(out) or {}  # read once: the metadata is rewritten below, before the points
     meta = metadata(executor, spec, weights, quick, reps, len(pts))
     graphs = prefill_graphs and (executor.use_graphs or not executor.cuda)
     meta["prefill_graphs"] = executor.prefill_graph_limits if graphs else None
     meta["skinny_table"] = _skinny_meta(getattr(executor, "skinny_source", None))
     for key in ("prefill_graphs", "skinny_table"):  # the kernels a resumed profile's points ran
-        if have and (old := _old_meta(out)) is not None and old.get(key) != meta[key]:
-            raise ValueError(f"{out}: its points were measured with {key}={old.get(key)}, this run would use "
+        if have and old_meta and old_meta.get(key) != meta[key]:
+            raise ValueError(f"{out}: its points were measured with {key}={old_meta.get(key)}, this run would use "
                              f"{meta[key]}: profile into a new folder")
-    old_protocol = (_old_meta(out) or {}).get("corun_protocol", {"name": "single burst"})
+    old_protocol = old_meta.get("corun_protocol", {"name": "single burst"})
     if any(r["co_kind"] for r in have.values()) and old_protocol != meta["corun_protocol"]:
         raise ValueError(f"{out}: its co-run points were measured by the {old_protocol['name']!r} protocol, this "
                          f"run would use {meta['corun_protocol']}: add --redo-coruns to measure them again")
@@ -751,7 +752,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
         meta["gaps"] = {"measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                         "commit": meta.get("commit"), "policy": "chunked", "steps": GAP_STEPS, "prompt": GAP_PROMPT}
-    elif old_gaps := (_old_meta(out) or {}).get("gaps"):
+    elif old_gaps := old_meta.get("gaps"):  # (it was lost on every resume while this read the new file)
         meta["gaps"] = old_gaps
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
