@@ -541,3 +541,61 @@ def test_gpu_advance_kernel_equals_torch_ops():
             advance(buf, tok, out, ids, offs, page, cols)
         results.append([t.cpu() for t in (buf, out, ids, offs)])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_fill_rows_by_hand_and_against_a_loop():
+    """fill_rows writes positions, slots, starts, contexts, sample rows and block tables: checked by hand on a
+    small launch, then token by token on random launches of decode rows, prompts and prefix chunks; bad chunks
+    name the request. (A version vectorised over the chunks was tried: 50 against 12 us for one decode row and
+    a prompt, 231 against 330 us for 48 rows; not kept.)"""
+    import numpy as np
+
+    from bullet.batch import Chunk
+    from bullet.gpu.attention import fill_rows
+
+    def arrays(T, S, W):
+        return (np.full(T, -7, np.int32), np.full(T, -7, np.int32), np.zeros(S + 1, np.int32),
+                np.full(S, -7, np.int32), np.full(S, -7, np.int32), np.full((S, W), -7, np.int32))
+
+    # block size 4: a decode row at position 5 (blocks 9, 3), a fresh 3-token prompt (block 6), sampled both;
+    # a 2-token chunk at 4 over a prefix (blocks 1, 2), not sampled
+    chunks = [Chunk(0, 5, 1, (9, 3), True), Chunk(1, 0, 3, (6,), True), Chunk(2, 4, 2, (1, 2, 8), False)]
+    pos, slot, starts, ctx, samp, bt = arrays(6, 3, 3)
+    fill_rows(chunks, 4, pos, slot, starts, ctx, samp, bt)
+    assert pos.tolist() == [5, 0, 1, 2, 4, 5]
+    assert slot.tolist() == [3 * 4 + 1, 24, 25, 26, 2 * 4, 2 * 4 + 1]
+    assert starts.tolist() == [0, 1, 4, 6] and ctx.tolist() == [6, 3, 6] and samp[:2].tolist() == [0, 3]
+    assert bt.tolist() == [[9, 3, -7], [6, -7, -7], [1, 2, -7]]  # columns past a chunk's need untouched
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        B, n, W = int(rng.choice([4, 16])), int(rng.integers(1, 12)), 40
+        chunks = []
+        for i in range(n):
+            start, k = int(rng.integers(0, 60)), int(rng.choice([1, 1, int(rng.integers(1, 30))]))
+            need = -(-(start + k) // B)
+            extra = int(rng.integers(0, 3))
+            chunks.append(Chunk(i, start, k, tuple(int(x) for x in rng.integers(0, 999, need + extra)),
+                                bool(rng.integers(0, 2))))
+        T = sum(c.num_tokens for c in chunks)
+        got, want = arrays(T, n, W), arrays(T, n, W)
+        fill_rows(chunks, B, *got)
+        pos, slot, starts, ctx, samp, bt = want
+        row = k = 0
+        for i, c in enumerate(chunks):  # the reference: one chunk, one token at a time
+            need = -(-(c.start + c.num_tokens) // B)
+            bt[i, :need] = c.block_ids[:need]
+            for j in range(c.num_tokens):
+                p = c.start + j
+                pos[row], slot[row] = p, c.block_ids[p // B] * B + p % B
+                row += 1
+            starts[i + 1], ctx[i] = row, c.start + c.num_tokens
+            if c.sample:
+                samp[k] = row - 1
+                k += 1
+        for a, b in zip(got, want):
+            assert a.tolist() == b.tolist()
+    with pytest.raises(ValueError, match="request 7 has 1 blocks, too few for 6 tokens"):
+        fill_rows([Chunk(7, 5, 1, (1,), True)], 4, *arrays(1, 1, 4))
+    with pytest.raises(ValueError, match="request 8 needs 3 blocks, room for 2"):
+        fill_rows([Chunk(8, 8, 2, (1, 2, 3), True)], 4, *arrays(2, 1, 2))
