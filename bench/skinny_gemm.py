@@ -2,7 +2,8 @@
 (``bullet/gpu/kernels/skinny.py``) over a sweep of its tile shapes and K splits, at a model's shapes.
 
     PYTHONPATH=. python3 bench/skinny_gemm.py [--model llama-3.1-8b] [--rows 16,64,128,256] [--sms 0,40,64]
-        [--jobs 8] [--out F] [--table profiles/h200/llama-3.1-8b/skinny.json [--margin 0.03]]
+        [--jobs 8] [--out F] [--table profiles/h200/llama-3.1-8b/skinny.json [--margin 0.03]
+        [--gemm-csv profiles/h200/llama-3.1-8b/gemm.csv]]
 
 Per row count M and product (q/k/v, o + residual, gate/up + SiLU x up, down + residual, LM head): each
 configuration is first checked against a float64 reference on random data (relative error < 1e-2 in bf16),
@@ -15,7 +16,9 @@ Prints, per M, the best configuration per product against cuBLAS, and the whole 
 (all layers + LM head) summed. ``--out``: every timing as JSON. ``--table``: the choices the executor
 loads (``kernels.skinny.load_table``): for each (SMs, M, product) the best skinny config where it took at least
 ``--margin`` less time than cuBLAS (else the product stays on cuBLAS there). For a table, give ``--rows`` the
-decode graphs' batch buckets and ``--sms`` the decode partition sizes the policies use.
+decode graphs' batch buckets and ``--sms`` the decode partition sizes the policies use. ``--gemm-csv`` (with
+``--table``): every (SMs, M, product) of the layers' four products with both times and the kernel the table
+makes the executor take, the profile folder's ``gemm.csv`` that ``bullet fit`` reads (``fit.read_gemm``).
 """
 
 from __future__ import annotations
@@ -162,6 +165,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels first")
     ap.add_argument("--out", default="", help="write every timing here as JSON")
     ap.add_argument("--table", default="", help="write the executor's table of skinny choices here (JSON)")
+    ap.add_argument("--gemm-csv", default="",
+                    help="with --table: write every cell's cuBLAS and skinny times and the kernel taken here (CSV), "
+                         "the profile's gemm.csv for `bullet fit`")
     ap.add_argument("--margin", type=float, default=0.03,
                     help="a skinny config enters the table only if it took at least this fraction less time")
     ap.add_argument("--shapes", default="",
@@ -232,13 +238,15 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "model": args.model,
                                               "date": date, "results": results}, indent=1))
     if args.table:
-        write_table(Path(args.table), args, prods, results, date)
+        taken = write_table(Path(args.table), args, prods, results, date)
+        if args.gemm_csv:
+            write_gemm_csv(Path(args.gemm_csv), results, taken)
     menu.close()
 
 
-def write_table(path: Path, args, prods: dict, results: list[dict], date: str) -> None:
+def write_table(path: Path, args, prods: dict, results: list[dict], date: str) -> set[tuple[int, int, str]]:
     """The executor's table (``kernels.skinny.load_table``): the winning skinny configs, where they won by
-    ``args.margin``; written to a temporary file and renamed."""
+    ``args.margin``; written to a temporary file and renamed. Returns the (SMs, M, product) cells it lists."""
     choices = [{"sms": r["sms"], "rows": r["rows"], "product": r["product"],
                 "config": SkinnyConfig(*r["best"][0])._asdict(), "skinny_s": r["best"][1], "cublas_s": r["cublas_s"]}
                for r in results if r["best"] and r["best"][1] <= (1 - args.margin) * r["cublas_s"]]
@@ -252,6 +260,26 @@ def write_table(path: Path, args, prods: dict, results: list[dict], date: str) -
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
     print(f"{path}: {len(choices)} of {len(results)} (SMs, M, product) take the skinny kernel")
+    return {(c["sms"], c["rows"], c["product"]) for c in choices}
+
+
+def write_gemm_csv(path: Path, results: list[dict], taken: set[tuple[int, int, str]]) -> None:
+    """``gemm.csv`` for ``bullet fit``: the layers' products (the LM head left out, as the fit does) at every
+    (SMs, M), seconds with cuBLAS and with the best skinny config (empty where none ran), and which one the
+    executor takes; written to a temporary file and renamed."""
+    from bullet.perfmodel.fit import GEMM_COLUMNS
+    from bullet.perfmodel.fitted import GEMM_PRODUCTS
+
+    lines = [",".join(GEMM_COLUMNS)]
+    for r in sorted((r for r in results if r["product"] in GEMM_PRODUCTS),
+                    key=lambda r: (r["sms"], r["rows"], GEMM_PRODUCTS.index(r["product"]))):
+        sk = f"{r['best'][1]:.4g}" if r["best"] else ""
+        kind = "skinny" if (r["sms"], r["rows"], r["product"]) in taken else "cublas"
+        lines.append(f"{r['sms']},{r['rows']},{r['product']},{r['cublas_s']:.4g},{sk},{kind}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    print(f"{path}: {len(lines) - 1} cells")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ for step in $steps; do
     table) run table 420 python3 bench/skinny_gemm.py --rows 2,4,8,16,32,48,64,96,128,160,192 \
         --sms 8,16,24,32,40,48,56,64,72,80,88,96,104,112,0 --jobs 14 --out "$OUT/skinny_sweep.json" \
         --shapes 64:64:4,64:64:3,64:128:3,64:128:4,128:64:3,128:64:4,128:128:3,32:256:4 \
-        --table "$OUT/skinny.json" && cp "$OUT/skinny.json" profiles/h200/llama-3.1-8b/skinny.json ;;
+        --table "$OUT/skinny.json" --gemm-csv "$OUT/gemm.csv" && cp "$OUT/skinny.json" "$OUT/gemm.csv" \
+        profiles/h200/llama-3.1-8b/ ;;
     skinnystep) run skinnystep 300 python3 bench/skinny_step.py --table profiles/h200/llama-3.1-8b/skinny.json \
         --sms 16,32,48,64,132 --batch 16,32,64,128 ;;
     profile) run profile 590 bullet profile --quick --out "$OUT/profile" ;;
