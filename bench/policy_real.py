@@ -7,6 +7,7 @@ simulated, and writes each run's SM split timeline (lane, SMs, start, end per la
         --runs sharegpt:6,9,12 arxiv:8,12 --policies bullet chunked-2048 --num-requests 120 --out $OUT/real
     python3 bench/policy_real.py --device cpu --model tiny-llama --runs sharegpt:20 --num-requests 12   # smoke
     python3 bench/policy_real.py --sim-only --latency fitted --runs arxiv:10,12,13 --policies bullet chunked-8192
+    python3 bench/policy_real.py --runs arxiv:12 --starts 0,100,200 --num-requests 100   # three windows each
 
 ``--sim-only`` runs the simulated half alone, on any machine (no torch, no GPU): the same requests, policies and
 latency model, with ``--num-blocks`` KV blocks (the H200 run's pool: 46,390 with dummy weights at 0.85 of memory).
@@ -68,12 +69,12 @@ def sim_only(args, spec, gpu, latency, sizes) -> None:
     for spec_run in args.runs:
         trace, rates = spec_run.split(":")
         slo = slo_for(trace, args.slo)
-        for rate in (float(x) for x in rates.split(",")):
+        for rate, start in ((float(x), int(k)) for x in rates.split(",") for k in args.starts.split(",")):
             for name in args.policies:
-                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
                 s = simulate(reqs, spec, gpu, policy_cfg(name, args.layers_per_step, sizes), cache, slo, latency,
                              timeline=False).summary
-                print(f"| {trace} | {rate:g} | {name} | {100 * s['slo_attainment']:.1f} % | {s['goodput']:.2f} | "
+                print(f"| {trace} | {rate:g} @{start} | {name} | {100 * s['slo_attainment']:.1f} % | {s['goodput']:.2f} | "
                       f"{s['duration_s']:.2f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
                       f"{s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p90']:.1f} |", flush=True)
 
@@ -86,6 +87,10 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=["sharegpt:6,9,12"], help="TRACE:RATE,RATE,...")
     ap.add_argument("--policies", nargs="+", default=["bullet", "chunked-2048"])
     ap.add_argument("--num-requests", type=int, default=120)
+    ap.add_argument("--starts", default="0",
+                    help="trace rows skipped first, comma-separated: each (rate, policy) runs once on each window "
+                         "of --num-requests rows (the bundled traces are timed: a rate rescales their times, so "
+                         "repeats need other windows), so a close pair can be told from the spread")
     ap.add_argument("--latency", default="auto", help="latency model for the policies and the simulator")
     ap.add_argument("--slo", default="paper", choices=["paper", "tight"])
     ap.add_argument("--layers-per-step", type=int, default=16, help="bullet / static-split prefill slices")
@@ -125,10 +130,10 @@ def main() -> None:
     for spec_run in args.runs:
         trace, rates = spec_run.split(":")
         slo = slo_for(trace, args.slo)
-        for rate in (float(x) for x in rates.split(",")):
+        for rate, start in ((float(x), int(k)) for x in rates.split(",") for k in args.starts.split(",")):
             for name in args.policies:
                 cfg = policy_cfg(name, args.layers_per_step, sizes)
-                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
                 shift = ex.now() + 0.05
                 for r in reqs:
                     r.arrival += shift
@@ -142,10 +147,10 @@ def main() -> None:
                 for s in steps:
                     busy[s.batch.lane] = busy.get(s.batch.lane, 0.0) + s.end - s.start
                 real = summarize(done, slo, busy, request_columns(done, slo))
-                sim_reqs = load_trace(trace, num_requests=args.num_requests, rate=rate)
+                sim_reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
                 sim = simulate(sim_reqs, spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks, prefix_caching=False),
                                slo, latency)
-                row = {"trace": trace, "rate": rate, "policy": name, "wall_s": wall, "launches": len(steps)}
+                row = {"trace": trace, "rate": rate, "start": start, "policy": name, "wall_s": wall, "launches": len(steps)}
                 for key, s in (("real", real), ("sim", sim.summary)):
                     row[f"{key}_attainment"] = s["slo_attainment"]
                     row[f"{key}_goodput"] = s["goodput"]
@@ -154,11 +159,11 @@ def main() -> None:
                             row[f"{key}_{m}_{q}_ms"] = s[f"{m}_ms"][q]
                 rows.append(row)
                 for s in steps:
-                    timelines.append((trace, rate, name, "real", s.batch.lane, s.batch.partition.num_sms,
+                    timelines.append((trace, rate, start, name, "real", s.batch.lane, s.batch.partition.num_sms,
                                       s.start - shift, s.end - shift))
                 for r in sim.timeline.rows:
-                    timelines.append((trace, rate, name, "sim", r[0], r[1], r[6], r[7][-1]))
-                print(f"{trace} {rate:g} req/s {name}: real attainment {100 * row['real_attainment']:.1f} % goodput "
+                    timelines.append((trace, rate, start, name, "sim", r[0], r[1], r[6], r[7][-1]))
+                print(f"{trace} {rate:g} req/s from row {start} {name}: real attainment {100 * row['real_attainment']:.1f} % goodput "
                       f"{row['real_goodput']:.2f} | sim {100 * row['sim_attainment']:.1f} % {row['sim_goodput']:.2f} "
                       f"| {wall:.1f} s wall, {len(steps)} launches", flush=True)
     ex.close()
@@ -167,7 +172,7 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         err = 100 * (r["sim_goodput"] - r["real_goodput"]) / r["real_goodput"] if r["real_goodput"] else float("nan")
-        print(f"| {r['trace']} | {r['rate']:g} | {r['policy']} | {100 * r['real_attainment']:.1f} / "
+        print(f"| {r['trace']} | {r['rate']:g} @{r['start']} | {r['policy']} | {100 * r['real_attainment']:.1f} / "
               f"{100 * r['sim_attainment']:.1f} % | {r['real_goodput']:.2f} / {r['sim_goodput']:.2f} ({err:+.0f} %) | "
               f"{r['real_ttft_p50_ms']:.0f} / {r['sim_ttft_p50_ms']:.0f} | {r['real_ttft_p90_ms']:.0f} / "
               f"{r['sim_ttft_p90_ms']:.0f} | {r['real_tpot_p50_ms']:.1f} / {r['sim_tpot_p50_ms']:.1f} | "
@@ -177,7 +182,7 @@ def main() -> None:
         (args.out / "runs.json").write_text(json.dumps(rows, indent=1))
         with (args.out / "timeline.csv").open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["trace", "rate", "policy", "source", "lane", "sms", "start_s", "end_s"])
+            w.writerow(["trace", "rate", "start", "policy", "source", "lane", "sms", "start_s", "end_s"])
             w.writerows(timelines)
         print(f"wrote {args.out}/runs.json, timeline.csv")
 
