@@ -807,3 +807,21 @@ def test_a_decode_heavy_request_is_not_deferred(no_seat_gate, monkeypatch):
             sched.add(Request(i, 2.5 * i, 20000, 1000))
         sched.add(Request(6, 7.5, 20000, 1001))
         assert sched._shed == shed
+
+
+def test_a_mixed_launchs_work_is_work_of_its_batch(monkeypatch):
+    """The mixed launch's Work, summed from the job's and the decode rows' parts, is work_of() of its batch."""
+    from bullet.perfmodel import work_of
+    from bullet.policies.bullet import Bullet
+
+    seen = []
+    real = Bullet._start_prefill
+
+    def start(self, now, batch, work, *a, **k):
+        seen.append((batch, work))
+        return real(self, now, batch, work, *a, **k)
+
+    monkeypatch.setattr(Bullet, "_start_prefill", start)
+    mixed_case(0.05, both=True)
+    mixed = [(b, w) for b, w in seen if any(c.num_tokens == 1 for c in b.chunks)]
+    assert mixed and all(w == work_of(b, L) for b, w in mixed)
