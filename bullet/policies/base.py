@@ -43,6 +43,11 @@ class Scheduler:
     # instance attribute: at 30 instance attributes CPython 3.11 drops an object's shared-key dict, which cost
     # static-split's simulation 1 % (bench/RESULTS.md, ninth pass; StaticSplit has 29)
     ahead: Ahead | None = None
+    # A fused decode stretch with no co-runner runs past a request's last token (its row computed, its later tokens
+    # dropped, as after an end-of-sequence token) instead of ending there, while nobody waits and a seat is free (a
+    # completion then frees nothing anyone can take before the stretch's horizon): bullet's (bench/RESULTS.md).
+    # Off: a stretch ends at its first completion.
+    ride_past_end = False
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
                  latency: LatencyModel, eos_token_id: int | None = None, slo: SloConfig | None = None) -> None:
@@ -426,8 +431,14 @@ class Scheduler:
         """:meth:`_fused` once ``work`` (``work_of`` the first step) is known; ``ends[i] + off`` is request i's
         KV after the first step."""
         kv, bs = self.kv, self.kv.block_size
-        # decode steps after the first: up to the first completion and max_decode_steps
-        extra = min(self.cfg.max_decode_steps, min([r.max_new_tokens - r.num_output for r in reqs])) - 1
+        # decode steps after the first: up to the first completion (the last one when the policy rides past
+        # completions and nobody could take a freed seat: see ride_past_end) and max_decode_steps
+        left = [r.max_new_tokens - r.num_output for r in reqs]
+        extra = min(self.cfg.max_decode_steps, min(left)) - 1
+        if self.ride_past_end and co is None and not self.waiting and len(self.running) < self.cfg.max_num_seqs \
+                and self.ahead is None:  # (a row past its end writes positions below the model's limit)
+            extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
+                                   + 1) - 1)
         if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
             tables = kv.tables
             extra = self._kv_steps([len(tables[r.id]) * bs - off - e for r, e in zip(reqs, ends)], extra)
@@ -519,7 +530,10 @@ class Scheduler:
         done: list[Request] = []
         caching, bs = self.kv.prefix_caching, self.kv.block_size
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
-            r.num_computed = c.start + c.num_tokens + steps - 1
+            mine = ends
+            if c.sample and r.num_output + steps > r.max_new_tokens:  # it rode past its last token (ride_past_end)
+                mine = ends[:r.max_new_tokens - r.num_output]
+            r.num_computed = c.start + c.num_tokens + len(mine) - 1
             keyed = (caching and r.num_computed // bs != c.start // bs  # a block filled up: cache it
                      and (r.prompt_ids is not None or r.hash_ids is not None))
             if not c.sample:
@@ -529,21 +543,22 @@ class Scheduler:
                 continue
             if self.partial:
                 self.partial.pop(r.id, None)
-            n_new, eos = self._take_tokens(r, tokens, j, ends)
+            n_new, eos = self._take_tokens(r, tokens, j, mine)
             if keyed:
                 self.kv.commit(r, r.num_computed)
             r.num_output += n_new
             if eos or r.num_output >= r.max_new_tokens:
-                self._finish(r, ends[n_new - 1])
+                self._finish(r, mine[n_new - 1])
                 done.append(r)
         return done
 
     def _take_tokens(self, r: Request, tokens: np.ndarray | None, j: int, ends: list[float]) -> tuple[int, bool]:
-        """Record what column ``j`` of a launch with step ends ``ends`` sampled for ``r``: its token ids, cut
-        after an end-of-sequence token, and their times. Returns (tokens taken, whether an EOS ended it)."""
+        """Record what column ``j`` of a launch sampled for ``r`` in its first ``len(ends)`` steps (step ends
+        ``ends``): its token ids, cut after an end-of-sequence token, and their times. Returns (tokens taken,
+        whether an EOS ended it)."""
         n_new, eos = len(ends), False
         if tokens is not None:
-            new = tokens[:, j].tolist()
+            new = tokens[:n_new, j].tolist()
             if not r.sampling.ignore_eos and self.eos_token_id in new:
                 n_new = new.index(self.eos_token_id) + 1
                 eos = True
@@ -573,6 +588,7 @@ class Scheduler:
         times = None if gaps is not None else [res.end] if steps == 1 else list(res.step_ends)
         lasts: list[float] = []  # previous-token times: each one's gap to this launch's first step
         done: list[Request] = []
+        rode: list[int] = []  # steps of the requests that rode past their last token (ride_past_end)
         for c, r in zip(batch.chunks, reqs):
             r.num_computed = c.start + c.num_tokens + more
             if not c.sample:
@@ -590,7 +606,11 @@ class Scheduler:
             r.last_token_time = end
             r.num_output += steps
             if r.num_output >= r.max_new_tokens:
-                self._finish(r, end)
+                if r.num_output > r.max_new_tokens:
+                    rode.append(self._rode(r, c, res.step_ends, steps))
+                    self._finish(r, r.last_token_time)
+                else:
+                    self._finish(r, end)
                 done.append(r)
         if gaps is not None and lasts:
             if lasts.count(lasts[0]) == len(lasts):  # the usual case: all from one launch
@@ -602,8 +622,23 @@ class Scheduler:
                 for last, n in counts.items():
                     gaps.add(first_end - last, n)
         if gaps is not None and more:
-            gaps.add_steps(res.step_ends, len(batch.chunks))
+            if len(rode) < len(batch.chunks):
+                gaps.add_steps(res.step_ends, len(batch.chunks) - len(rode))
+            for n in rode:
+                if n > 1:
+                    gaps.add_steps(res.step_ends[:n], 1)
         return done
+
+    def _rode(self, r: Request, c: Chunk, step_ends, steps: int) -> int:
+        """``_counted`` counted all ``steps`` of a fused launch for ``r``, which rode past its last token: keep the
+        tokens up to it (the rest are dropped). Returns the steps kept."""
+        n = steps - (r.num_output - r.max_new_tokens)
+        r.num_output = r.max_new_tokens
+        r.num_computed = c.start + c.num_tokens + n - 1
+        r.last_token_time = float(step_ends[n - 1])
+        if self.gaps is None:
+            del r.token_times[len(r.token_times) - (steps - n):]
+        return n
 
     def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
         """A layer slice of a prefill finished; policies with layer-granular prefill override this."""

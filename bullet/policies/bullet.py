@@ -238,6 +238,10 @@ class DecodeArrays:
 
 class Bullet(LayerSliced):
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
+    # (base.py) on the whole GPU: with nobody waiting a completion there changes no decision before the stretch's
+    # horizon, and no prefill is planned while it runs (beside a slice, the slice's next split would be planned
+    # from a finished request's step budget)
+    ride_past_end = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
