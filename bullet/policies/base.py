@@ -330,13 +330,14 @@ class Scheduler:
 
     # ---- chunks ------------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
-        n = min(req.remaining, budget)
         start = req.num_computed
+        known = req.prompt_len + req.num_output
+        n = min(known - start, budget)
         ids = None
         if req.prompt_ids is not None:
-            known = req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids)
-            ids = known[start:start + n]
-        return Chunk(req.id, start, n, self.kv.tables[req.id], start + n == req.known, ids, req.sampling)
+            ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
+        # (a plain tuple of Chunk's type, as _decode_chunks makes them: the same object at half Chunk()'s cost)
+        return tuple.__new__(Chunk, (req.id, start, n, self.kv.tables[req.id], start + n == known, ids, req.sampling))
 
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then

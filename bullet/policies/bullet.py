@@ -884,9 +884,17 @@ class Bullet(LayerSliced):
         free, releases = self._seat_releases(now, k, len(waiting) - k)
         if self._shed and self._lull(now):
             self._shed.clear()
+        shed = self._shed
+        if len(self._by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
+            deadline, _, known, r = self._by_deadline[0]
+            cost = known * per_token
+            t = now + cost
+            if 0 <= -free < len(releases) and releases[-free] + cost > t:
+                t = releases[-free] + cost
+            if t <= deadline and not (shed and r.id in shed):
+                return
         kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
         late = []
-        shed = self._shed
         push, pop = heapq.heappush, heapq.heappop
         j = -1 - free  # the release the next kept request waits for, if it needs one (j >= 0)
         nrel = len(releases)
