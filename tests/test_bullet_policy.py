@@ -807,3 +807,56 @@ def test_a_decode_heavy_request_is_not_deferred(no_seat_gate, monkeypatch):
             sched.add(Request(i, 2.5 * i, 20000, 1000))
         sched.add(Request(6, 7.5, 20000, 1001))
         assert sched._shed == shed
+
+
+def ride_case(ride, monkeypatch, seats=8):
+    """Requests 0 (5 tokens to generate) and 1 (40) arrive at 0 s and decode together on the whole GPU; with
+    ``seats`` 2, request 2 arrives at 1 ms and waits for a seat."""
+    from bullet.policies.bullet import Bullet
+
+    monkeypatch.setattr(Bullet, "ride_past_end", ride)
+    reqs = [Request(0, 0.0, 100, 5), Request(1, 0.0, 100, 40)] + ([Request(2, 0.001, 100, 3)] if seats == 2 else [])
+    done, steps, _ = run(reqs, SloConfig(tpot=0.05), max_num_seqs=seats)
+    return {r.id: r for r in done}, [s for s in steps if s.batch.lane == "decode"]
+
+
+def test_a_decode_stretch_rides_past_a_completion_when_nobody_waits(monkeypatch):
+    """With nobody waiting and seats free, request 0's completion ends no launch: one decode stretch carries
+    both requests to request 1's last token, request 0's tokens stop at its own last (its later rows dropped),
+    and its times are those of the same steps when its completion ended the stretch."""
+    rode, rode_steps = ride_case(True, monkeypatch)
+    cut, cut_steps = ride_case(False, monkeypatch)
+    assert len(rode_steps) == 1 and len(cut_steps) == 2
+    (stretch,) = rode_steps
+    assert [c.req_id for c in stretch.batch.chunks] == [0, 1] and stretch.batch.steps == 39  # request 1's 39 left
+    assert rode[0].num_output == 5 and rode[1].num_output == 40 and len(rode[0].token_times) == 5
+    assert rode[0].finish_time == stretch.step_ends[3]  # its 4 decode tokens: steps 1-4 of the stretch
+    assert rode[0].finish_time == cut[0].finish_time == cut_steps[0].end
+    assert rode[1].finish_time == stretch.end
+
+
+def test_no_ride_past_a_completion_while_a_request_waits(monkeypatch):
+    """Request 2 waits for one of 2 seats: request 0's completion frees it, so the stretch ends there."""
+    done, steps = ride_case(True, monkeypatch, seats=2)
+    first = steps[0]
+    assert [c.req_id for c in first.batch.chunks] == [0, 1] and first.batch.steps == 4  # request 0's 4 left
+    assert done[0].finish_time == first.end
+    assert all(r.num_output == r.max_new_tokens for r in done.values())
+
+
+def test_a_mixed_launchs_work_is_work_of_its_batch(monkeypatch):
+    """The mixed launch's Work, summed from the job's and the decode rows' parts, is work_of() of its batch."""
+    from bullet.perfmodel import work_of
+    from bullet.policies.bullet import Bullet
+
+    seen = []
+    real = Bullet._start_prefill
+
+    def start(self, now, batch, work, *a, **k):
+        seen.append((batch, work))
+        return real(self, now, batch, work, *a, **k)
+
+    monkeypatch.setattr(Bullet, "_start_prefill", start)
+    mixed_case(0.05, both=True)
+    mixed = [(b, w) for b, w in seen if any(c.num_tokens == 1 for c in b.chunks)]
+    assert mixed and all(w == work_of(b, L) for b, w in mixed)

@@ -207,3 +207,21 @@ def test_timeline_rows_with_idle_gaps():
     run_row = next(r for r in t.csv_rows() if r[1] == "run")
     assert run_row[10:] == (2, 1, 10, "25.00")
     assert t.busy == {"prefill": 2.0, "decode": 3.0}
+
+
+def test_token_gaps_take_lists_and_arrays_in_order(monkeypatch):
+    """Step ends given as lists and as arrays (a long stretch's), packed or not: the gaps between each launch's
+    consecutive steps, in the order given, each with its launch's count."""
+    import bullet.metrics as m
+
+    monkeypatch.setattr(m, "PACK", 2)
+    launches = [([0.0, 0.5, 1.5], 2), (np.array([2.0, 2.25]), 1), ([3.0, 3.5], 4), ([4.0, 4.125, 5.0], 1),
+                (np.array([6.0, 7.0, 7.5, 9.0]), 3)]
+    gaps = TokenGaps()
+    gaps.add(0.75, 5)
+    for ends, count in launches:
+        gaps.add_steps(ends, count)
+    values, counts = gaps.arrays()
+    want = [0.75] + [g for ends, _ in launches for g in np.diff(ends)]
+    assert values.tolist() == want
+    assert counts.tolist() == [5] + [c for ends, c in launches for _ in range(len(ends) - 1)]

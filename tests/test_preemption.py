@@ -89,13 +89,16 @@ def run(policy, reqs, num_blocks, prefix_caching=False, **cfg):
     return done, steps, sched, spy
 
 
-def computed_tokens(steps) -> dict[int, int]:
-    """Positions each request ran through the model (counted once per full pass: at the first layer slice)."""
+def computed_tokens(steps, reqs) -> dict[int, int]:
+    """Positions each request ran through the model (counted once per full pass: at the first layer slice), up
+    to its last one (a decode stretch's row may run past it, its tokens dropped: ``Scheduler.ride_past_end``)."""
+    last = {r.id: r.prompt_len + r.max_new_tokens - 1 for r in reqs}
     out: dict[int, int] = {}
     for s in steps:
         if s.batch.layers.start == 0:
             for c in s.batch.chunks:
-                out[c.req_id] = out.get(c.req_id, 0) + c.num_tokens + s.batch.steps - 1
+                stop = min(c.start + c.num_tokens + s.batch.steps - 1, last[c.req_id])
+                out[c.req_id] = out.get(c.req_id, 0) + stop - c.start
     return out
 
 
@@ -151,7 +154,7 @@ def test_preemption_is_bounded(policy, w):
     stops: dict[int, list[int]] = {}
     for _, victim, _, _, _, had, _ in spy.events:
         stops.setdefault(victim.id, []).append(had)
-    ran = computed_tokens(steps)
+    ran = computed_tokens(steps, done)
     for r in done:
         ends = stops.get(r.id, []) + [r.prompt_len + r.max_new_tokens - 1]
         assert ran.get(r.id, 0) == sum(e - h for e, h in zip(ends, spy.hits[r.id], strict=True))

@@ -43,6 +43,11 @@ class Scheduler:
     # instance attribute: at 30 instance attributes CPython 3.11 drops an object's shared-key dict, which cost
     # static-split's simulation 1 % (bench/RESULTS.md, ninth pass; StaticSplit has 29)
     ahead: Ahead | None = None
+    # A fused decode stretch with no co-runner runs past a request's last token (its row computed, its later tokens
+    # dropped, as after an end-of-sequence token) instead of ending there, while nobody waits and a seat is free (a
+    # completion then frees nothing anyone can take before the stretch's horizon): bullet's (bench/RESULTS.md).
+    # Off: a stretch ends at its first completion.
+    ride_past_end = False
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
                  latency: LatencyModel, eos_token_id: int | None = None, slo: SloConfig | None = None) -> None:
@@ -325,13 +330,14 @@ class Scheduler:
 
     # ---- chunks ------------------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
-        n = min(req.remaining, budget)
         start = req.num_computed
+        known = req.prompt_len + req.num_output
+        n = min(known - start, budget)
         ids = None
         if req.prompt_ids is not None:
-            known = req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids)
-            ids = known[start:start + n]
-        return Chunk(req.id, start, n, self.kv.tables[req.id], start + n == req.known, ids, req.sampling)
+            ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
+        # (a plain tuple of Chunk's type, as _decode_chunks makes them: the same object at half Chunk()'s cost)
+        return tuple.__new__(Chunk, (req.id, start, n, self.kv.tables[req.id], start + n == known, ids, req.sampling))
 
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
@@ -426,8 +432,14 @@ class Scheduler:
         """:meth:`_fused` once ``work`` (``work_of`` the first step) is known; ``ends[i] + off`` is request i's
         KV after the first step."""
         kv, bs = self.kv, self.kv.block_size
-        # decode steps after the first: up to the first completion and max_decode_steps
-        extra = min(self.cfg.max_decode_steps, min([r.max_new_tokens - r.num_output for r in reqs])) - 1
+        # decode steps after the first: up to the first completion (the last one when the policy rides past
+        # completions and nobody could take a freed seat: see ride_past_end) and max_decode_steps
+        left = [r.max_new_tokens - r.num_output for r in reqs]
+        extra = min(self.cfg.max_decode_steps, min(left)) - 1
+        if self.ride_past_end and co is None and not self.waiting and len(self.running) < self.cfg.max_num_seqs \
+                and self.ahead is None:  # (a row past its end writes positions below the model's limit)
+            extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
+                                   + 1) - 1)
         if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
             tables = kv.tables
             extra = self._kv_steps([len(tables[r.id]) * bs - off - e for r, e in zip(reqs, ends)], extra)
@@ -448,19 +460,22 @@ class Scheduler:
                       co_sms: int) -> int:
         """Of ``extra`` decode steps after ``work``'s first step, those that start within ``budget`` seconds
         (the one crossing it included, as unfused steps do). The stretch is timed only as far as the answer
-        needs: first to a guess from the last stretch's step time, and to all ``extra + 1`` steps only if
-        every guessed step ends in time. The first entries of a cumulative sum do not depend on its length,
-        so the answer is the same; most stretches stop after a few steps of the hundreds allowed."""
+        needs: first to a guess from the last stretch's step time, then to four times as many steps while every
+        guessed step ends in time, and to all ``extra + 1`` steps only past that. The first entries of a
+        cumulative sum do not depend on its length, so the answer is the same; most stretches stop after a few
+        steps of the hundreds allowed (timed to all of them after a short guess, bullet's stretches on the Azure
+        conversation trace asked for three times the steps they ran)."""
         steps = extra + 1
         per_step = self._step_s
         if per_step > 0.0 and budget < per_step * steps:
             guess = max(2, int(budget / per_step * 1.25) + 2)
-            if guess < steps:
+            while guess < steps:
                 cum = step_ends(self.latency, work, guess, num_sms, co, co_sms)
                 within = bisect_left(cum, budget)  # (cum.searchsorted(budget), without numpy's call cost)
                 if within < guess:
                     self._step_s = float(cum[-1]) / guess
                     return min(extra, within)
+                guess *= 4
         cum = step_ends(self.latency, work, steps, num_sms, co, co_sms)
         self._step_s = float(cum[-1]) / steps
         return min(extra, bisect_left(cum, budget))
@@ -516,7 +531,10 @@ class Scheduler:
         done: list[Request] = []
         caching, bs = self.kv.prefix_caching, self.kv.block_size
         for j, (c, r) in enumerate(zip(batch.chunks, reqs)):
-            r.num_computed = c.start + c.num_tokens + steps - 1
+            mine = ends
+            if c.sample and r.num_output + steps > r.max_new_tokens:  # it rode past its last token (ride_past_end)
+                mine = ends[:r.max_new_tokens - r.num_output]
+            r.num_computed = c.start + c.num_tokens + len(mine) - 1
             keyed = (caching and r.num_computed // bs != c.start // bs  # a block filled up: cache it
                      and (r.prompt_ids is not None or r.hash_ids is not None))
             if not c.sample:
@@ -526,21 +544,22 @@ class Scheduler:
                 continue
             if self.partial:
                 self.partial.pop(r.id, None)
-            n_new, eos = self._take_tokens(r, tokens, j, ends)
+            n_new, eos = self._take_tokens(r, tokens, j, mine)
             if keyed:
                 self.kv.commit(r, r.num_computed)
             r.num_output += n_new
             if eos or r.num_output >= r.max_new_tokens:
-                self._finish(r, ends[n_new - 1])
+                self._finish(r, mine[n_new - 1])
                 done.append(r)
         return done
 
     def _take_tokens(self, r: Request, tokens: np.ndarray | None, j: int, ends: list[float]) -> tuple[int, bool]:
-        """Record what column ``j`` of a launch with step ends ``ends`` sampled for ``r``: its token ids, cut
-        after an end-of-sequence token, and their times. Returns (tokens taken, whether an EOS ended it)."""
+        """Record what column ``j`` of a launch sampled for ``r`` in its first ``len(ends)`` steps (step ends
+        ``ends``): its token ids, cut after an end-of-sequence token, and their times. Returns (tokens taken,
+        whether an EOS ended it)."""
         n_new, eos = len(ends), False
         if tokens is not None:
-            new = tokens[:, j].tolist()
+            new = tokens[:n_new, j].tolist()
             if not r.sampling.ignore_eos and self.eos_token_id in new:
                 n_new = new.index(self.eos_token_id) + 1
                 eos = True
@@ -570,6 +589,7 @@ class Scheduler:
         times = None if gaps is not None else [res.end] if steps == 1 else list(res.step_ends)
         lasts: list[float] = []  # previous-token times: each one's gap to this launch's first step
         done: list[Request] = []
+        rode: list[int] = []  # steps of the requests that rode past their last token (ride_past_end)
         for c, r in zip(batch.chunks, reqs):
             r.num_computed = c.start + c.num_tokens + more
             if not c.sample:
@@ -587,7 +607,11 @@ class Scheduler:
             r.last_token_time = end
             r.num_output += steps
             if r.num_output >= r.max_new_tokens:
-                self._finish(r, end)
+                if r.num_output > r.max_new_tokens:
+                    rode.append(self._rode(r, c, res.step_ends, steps))
+                    self._finish(r, r.last_token_time)
+                else:
+                    self._finish(r, end)
                 done.append(r)
         if gaps is not None and lasts:
             if lasts.count(lasts[0]) == len(lasts):  # the usual case: all from one launch
@@ -599,8 +623,23 @@ class Scheduler:
                 for last, n in counts.items():
                     gaps.add(first_end - last, n)
         if gaps is not None and more:
-            gaps.add_steps(res.step_ends, len(batch.chunks))
+            if len(rode) < len(batch.chunks):
+                gaps.add_steps(res.step_ends, len(batch.chunks) - len(rode))
+            for n in rode:
+                if n > 1:
+                    gaps.add_steps(res.step_ends[:n], 1)
         return done
+
+    def _rode(self, r: Request, c: Chunk, step_ends, steps: int) -> int:
+        """``_counted`` counted all ``steps`` of a fused launch for ``r``, which rode past its last token: keep the
+        tokens up to it (the rest are dropped). Returns the steps kept."""
+        n = steps - (r.num_output - r.max_new_tokens)
+        r.num_output = r.max_new_tokens
+        r.num_computed = c.start + c.num_tokens + n - 1
+        r.last_token_time = float(step_ends[n - 1])
+        if self.gaps is None:
+            del r.token_times[len(r.token_times) - (steps - n):]
+        return n
 
     def _slice_done(self, batch: Batch, reqs: list[Request]) -> None:
         """A layer slice of a prefill finished; policies with layer-granular prefill override this."""

@@ -238,6 +238,10 @@ class DecodeArrays:
 
 class Bullet(LayerSliced):
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
+    # (base.py) on the whole GPU: with nobody waiting a completion there changes no decision before the stretch's
+    # horizon, and no prefill is planned while it runs (beside a slice, the slice's next split would be planned
+    # from a finished request's step budget)
+    ride_past_end = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -282,6 +286,8 @@ class Bullet(LayerSliced):
         self.num_shed = 0
         self.num_mixed = 0  # mixed launches: a job and a decode step of every decoding request (_mixed_time)
         self._targets: deque[float] = deque(maxlen=MIXED_RECENT)  # the last arrivals' TTFT targets
+        self._hold: float | None = None  # MIXED_HOLD of their tightest (None: not taken since the last arrival)
+        self._per_token: dict[int, float] = {}  # prefill SMs -> _prefill_per_token's answer
 
     # ---- arrivals ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -297,6 +303,7 @@ class Bullet(LayerSliced):
                                       f"target {1e3 * target:.0f} ms")
         self.target[req.id], self.deadline[req.id] = target, deadline
         self._targets.append(target)
+        self._hold = None  # (_mixed_limit's, from the targets: again when next asked)
         if self.cfg.overload_deferral and target < math.inf and self._shed_on_arrival(req):
             self._shed.add(req.id)
             self.num_shed += 1
@@ -486,7 +493,9 @@ class Bullet(LayerSliced):
         """The longest mixed launch (:meth:`_mixed_time`): the tightest decoding request's loan with
         ``slo_margin`` to spare, and MIXED_HOLD of the tightest TTFT target among the last MIXED_RECENT arrivals
         (a request arriving as it starts waits for all of it: no slice boundary to set it aside at)."""
-        hold = MIXED_HOLD * min(self._targets) if self._targets else math.inf
+        hold = self._hold
+        if hold is None:  # (the window changes only with an arrival)
+            hold = self._hold = MIXED_HOLD * min(self._targets) if self._targets else math.inf
         return min(view.loan * (1 - self.cfg.slo_margin), hold)
 
     def _mixed_time(self, now: float, view: DecodeView) -> float | None:
@@ -553,9 +562,14 @@ class Bullet(LayerSliced):
             self.busy.add(r.id)
             work = more
         self.job = (chunks, reqs, 0)
-        batch = Batch(self._part("prefill", N), self.all_layers, tuple(self._decode_chunks(decoders)) + chunks)
+        starts = [r.num_computed for r in decoders]
+        batch = Batch(self._part("prefill", N), self.all_layers, tuple(self._decode_chunks(decoders, starts)) + chunks)
         self.num_mixed += 1
-        return self._start_prefill(now, batch, work_of(batch, L), decoders + reqs)
+        # work_of(batch, L), from the job's sums and the decode rows' starts: its sums are of integers (pairs
+        # too, as floats below 2**53), so taken in parts they are the same numbers
+        n, kv = len(starts), sum(starts) + len(starts)
+        rows = new_work(Work, (L, n, n, float(kv), kv, n, True, max(starts, default=-1) + 1))
+        return self._start_prefill(now, batch, add_work(self._job_work(self.all_layers), rows), decoders + reqs)
 
     def _urgent(self, now: float, d_cur: int) -> bool:
         """Whether to set the job in flight aside between two of its slices for the queue's head (ordered
@@ -870,9 +884,17 @@ class Bullet(LayerSliced):
         free, releases = self._seat_releases(now, k, len(waiting) - k)
         if self._shed and self._lull(now):
             self._shed.clear()
+        shed = self._shed
+        if len(self._by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
+            deadline, _, known, r = self._by_deadline[0]
+            cost = known * per_token
+            t = now + cost
+            if 0 <= -free < len(releases) and releases[-free] + cost > t:
+                t = releases[-free] + cost
+            if t <= deadline and not (shed and r.id in shed):
+                return
         kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
         late = []
-        shed = self._shed
         push, pop = heapq.heappush, heapq.heappop
         j = -1 - free  # the release the next kept request waits for, if it needs one (j >= 0)
         nrel = len(releases)
@@ -975,7 +997,10 @@ class Bullet(LayerSliced):
         """Predicted prefill seconds per token on the SMs prefill has now (a token_target-sized batch)."""
         d = self._decode_sms()
         p = self.N - d if d < self.N else self.N
-        return float(self.latency.predict(self._probe(self.token_target), p)) / self.token_target
+        t = self._per_token.get(p)
+        if t is None:  # (one number per prefill size: the model and the probe are fixed)
+            t = self._per_token[p] = float(self.latency.predict(self._probe(self.token_target), p)) / self.token_target
+        return t
 
     def _take_whole(self, alone: bool = False) -> tuple[list[Chunk], list[Request]]:
         """Admit whole prompts from the head of the queue up to ``token_target`` tokens (the first one whatever
