@@ -70,6 +70,10 @@ def main() -> None:
     ap.add_argument("--sigmas", default="0,0.03,0.06")
     ap.add_argument("--seeds", type=int, default=4)
     args = ap.parse_args()
+    try:
+        runs = json.loads(args.report.read_text())["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"{args.report}: not a `bullet validate --json` report ({e})")
     spec, gpu = resolve_model("llama-3.1-8b"), resolve_gpu("h200")
     lat = latency_model(args.latency, spec, gpu)
     cfg = SchedulerConfig(policy=args.policy, prefill_sms=args.prefill_sms, max_batched_tokens=args.max_batched_tokens)
@@ -79,7 +83,7 @@ def main() -> None:
     plain = sim_executor.SimExecutor._time
     print("| run | " + " | ".join(f"sigma {s:g}: TTFT mean / TPOT mean" for s in sigmas) + " |")
     print("|---|" + "---:|" * len(sigmas))
-    for run in json.loads(args.report.read_text())["runs"]:
+    for run in runs:
         reqs = load_trace(run["trace"], num_requests=args.num_requests, rate=run["rate"])
         real = run["real"]
         cells = []
