@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--sim-only", action="store_true", help="only the simulated half (no GPU, no torch)")
     ap.add_argument("--num-blocks", type=int, default=46390, help="--sim-only: KV blocks (the H200 run's pool)")
     args = ap.parse_args()
+    if not all(k.strip().isdigit() for k in args.starts.split(",")):
+        ap.error(f"--starts: comma-separated row counts (>= 0), got {args.starts!r}")
 
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     latency = latency_model(args.latency, spec, gpu)

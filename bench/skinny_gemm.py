@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="",
                     help="tile shapes to try, as BN:BK:STAGES,... (default: all of candidates())")
     args = ap.parse_args()
+    if args.gemm_csv and not args.table:
+        ap.error("--gemm-csv needs --table (the table decides which kernel each cell takes)")
     prods = products(args.model)
     shapes = {tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")} if args.shapes else None
     rows = [int(x) for x in args.rows.split(",")]
