@@ -2,6 +2,7 @@
 its simulation below (each launch a horizontal segment at its SM count, prefill and decode lanes).
 
     python3 bench/plot_split.py TIMELINE.csv --trace sharegpt --rate 10 --policy bullet --out split.png [--until 8]
+    python3 bench/plot_split.py TIMELINE.csv --trace azure-code --rate 3 --since 28.9 --until 31 --out split.png
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def main() -> None:
     ap.add_argument("--trace", required=True)
     ap.add_argument("--rate", type=float, required=True)
     ap.add_argument("--policy", default="bullet")
-    ap.add_argument("--until", type=float, default=None, help="seconds shown (default: the whole run)")
+    ap.add_argument("--since", type=float, default=0.0, help="first second shown (bursty traces idle for long)")
+    ap.add_argument("--until", type=float, default=None, help="last second shown (default: the whole run)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     import matplotlib
@@ -44,8 +46,8 @@ def main() -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
     axes[1].set_xlabel("time since the first arrival (s)")
-    if args.until:
-        axes[1].set_xlim(0, args.until)
+    if args.until or args.since:
+        axes[1].set_xlim(args.since, args.until)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

@@ -809,21 +809,23 @@ def test_a_decode_heavy_request_is_not_deferred(no_seat_gate, monkeypatch):
         assert sched._shed == shed
 
 
-def ride_case(ride, monkeypatch, seats=8):
+def ride_case(ride, monkeypatch, seats=8, later=True):
     """Requests 0 (5 tokens to generate) and 1 (40) arrive at 0 s and decode together on the whole GPU; with
-    ``seats`` 2, request 2 arrives at 1 ms and waits for a seat."""
+    ``seats`` 2, request 2 arrives at 1 ms and waits for a seat. ``later``: request 3 arrives at 100 s, so the
+    stretches have a horizon (the next arrival) past request 1's end."""
     from bullet.policies.bullet import Bullet
 
     monkeypatch.setattr(Bullet, "ride_past_end", ride)
     reqs = [Request(0, 0.0, 100, 5), Request(1, 0.0, 100, 40)] + ([Request(2, 0.001, 100, 3)] if seats == 2 else [])
+    reqs += [Request(3, 100.0, 100, 2)] if later else []
     done, steps, _ = run(reqs, SloConfig(tpot=0.05), max_num_seqs=seats)
-    return {r.id: r for r in done}, [s for s in steps if s.batch.lane == "decode"]
+    return {r.id: r for r in done}, [s for s in steps if s.batch.lane == "decode" and s.start < 100.0]
 
 
 def test_a_decode_stretch_rides_past_a_completion_when_nobody_waits(monkeypatch):
-    """With nobody waiting and seats free, request 0's completion ends no launch: one decode stretch carries
-    both requests to request 1's last token, request 0's tokens stop at its own last (its later rows dropped),
-    and its times are those of the same steps when its completion ended the stretch."""
+    """With nobody waiting and seats free until the next arrival, request 0's completion ends no launch: one
+    decode stretch carries both requests to request 1's last token, request 0's tokens stop at its own last (its
+    later rows dropped), and its times are those of the same steps when its completion ended the stretch."""
     rode, rode_steps = ride_case(True, monkeypatch)
     cut, cut_steps = ride_case(False, monkeypatch)
     assert len(rode_steps) == 1 and len(cut_steps) == 2
@@ -833,6 +835,17 @@ def test_a_decode_stretch_rides_past_a_completion_when_nobody_waits(monkeypatch)
     assert rode[0].finish_time == stretch.step_ends[3]  # its 4 decode tokens: steps 1-4 of the stretch
     assert rode[0].finish_time == cut[0].finish_time == cut_steps[0].end
     assert rode[1].finish_time == stretch.end
+
+
+def test_no_ride_past_a_completion_without_a_horizon(monkeypatch):
+    """With no arrival to come (a trace's tail), a stretch that rode past request 0's end would carry its row
+    (its whole context read at every step) to the end of the longest request, however long: on the H200 model
+    an arxiv tail took 3,272 steps of 80 rows for one request's 3,278 tokens and stretched the run from 25.6 s
+    to 58.8 s. So the stretch ends at request 0's completion, as unfused steps would."""
+    done, steps = ride_case(True, monkeypatch, later=False)
+    assert [s.batch.steps for s in steps] == [4, 35]  # request 0's 4 decode steps left, then request 1's 35
+    assert [c.req_id for c in steps[1].batch.chunks] == [1]
+    assert done[0].finish_time == steps[0].end and done[1].finish_time == steps[1].end
 
 
 def test_no_ride_past_a_completion_while_a_request_waits(monkeypatch):

@@ -114,6 +114,7 @@ class _Flight:
     times: tuple[float, float, list[float]] | None = None  # CPU path: host start, end, step ends
     tokens: np.ndarray | None = None  # CPU path
     work: object = None  # CUDA: the launch's generator while part of it is still to be enqueued
+    turn: int = 0  # when ``_advance`` last enqueued a piece of it (or it was made): lanes take turns by it
     side: Side | None = None
 
 
@@ -183,6 +184,7 @@ class GpuExecutor:
         # between slices to run a more urgent one first, so a lane holds up to HELD_PER_LANE of them
         self._held: dict[tuple[Lane, tuple], _Held] = {}
         self._order = 0
+        self._turn = 0  # counts flights made and pieces enqueued (``_Flight.turn``)
         # CUDA events and pinned read-back buffers, made once and reused (not allocated for each launch)
         self._timing_events: list = []
         self._done_events: list = []
@@ -266,8 +268,8 @@ class GpuExecutor:
             if done:
                 return [self._finish(f) for f in self._by_end(done)]
             pending = [f for f in self._inflight.values() if f.work is not None]
-            if pending:  # enqueue a layer of an eager launch, then look at the lanes again
-                self._advance(min(pending, key=lambda f: f.order))
+            if pending:  # enqueue a piece of the launch that waited longest, then look at the lanes again
+                self._advance(min(pending, key=lambda f: f.turn))
                 if until is not None and self.now() >= until:
                     return []
                 continue
@@ -703,6 +705,8 @@ class GpuExecutor:
         with (torch.cuda.stream(f.side.stream) if f.side is not None else nullcontext()), \
                 self.model.on_sms(f.side.num_sms if f.side is not None else None):
             try:
+                self._turn += 1
+                f.turn = self._turn
                 next(f.work)
             except StopIteration:
                 f.work = None
@@ -753,7 +757,8 @@ class GpuExecutor:
         f.times = (start, ends[-1], ends)
 
     def _new_flight(self, batch: Batch) -> _Flight:
-        return _Flight(batch, self._order, np.zeros(0, np.int64), ())
+        self._turn += 1
+        return _Flight(batch, self._order, np.zeros(0, np.int64), (), turn=self._turn)
 
     def _set_cols(self, f: _Flight, batch: Batch, cols: list[int]) -> None:
         f.cols = np.asarray(cols, np.int64)

@@ -46,7 +46,9 @@ class Scheduler:
     # A fused decode stretch with no co-runner runs past a request's last token (its row computed, its later tokens
     # dropped, as after an end-of-sequence token) instead of ending there, while nobody waits and a seat is free (a
     # completion then frees nothing anyone can take before the stretch's horizon): bullet's (bench/RESULTS.md).
-    # Off: a stretch ends at its first completion.
+    # Only up to a known horizon (the next arrival): without one (a trace's tail, live serving) the finished rows
+    # would ride to the longest request's end, each step reading their whole contexts. Off: a stretch ends at its
+    # first completion.
     ride_past_end = False
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, cfg: SchedulerConfig, kv: BlockManager,
@@ -436,8 +438,8 @@ class Scheduler:
         # completions and nobody could take a freed seat: see ride_past_end) and max_decode_steps
         left = [r.max_new_tokens - r.num_output for r in reqs]
         extra = min(self.cfg.max_decode_steps, min(left)) - 1
-        if self.ride_past_end and co is None and not self.waiting and len(self.running) < self.cfg.max_num_seqs \
-                and self.ahead is None:  # (a row past its end writes positions below the model's limit)
+        if self.ride_past_end and horizon is not None and co is None and not self.waiting \
+                and len(self.running) < self.cfg.max_num_seqs and self.ahead is None:  # (a row past its end writes positions below the model's limit)
             extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
                                    + 1) - 1)
         if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
