@@ -1,10 +1,13 @@
 """Host time per launch of the GpuExecutor (issue 12): for each launch kind and request count, the host
 seconds spent inside ``launch()``, the GPU seconds between the launch's own events, and where the host time
-goes (cProfile of one launch, top functions by own time). Then the host cost of single operations the
+goes (cProfile over ``--profile-reps`` launches of one request count, top functions by own time, in microseconds
+per launch). Then the host cost of single operations the
 eager forward is made of (median of many calls, no sync between them).
 
     python3 bench/host_overhead.py [--counts 1 8 64] [--kinds prefill prefix mixed decode] [--reps 5]
     python3 bench/host_overhead.py --device cpu --model tiny-llama --counts 1 4 --reps 2
+    python3 bench/host_overhead.py --kinds mixed --counts 8 48 --prefill-graphs --decode-rows --profile-count 48 \
+        --profile-reps 50
 
 Kinds: ``prefill`` n fresh prompts (``--prompt`` tokens each, at most ``--max-tokens`` in all);
 ``prefix`` n chunks of ``--prompt`` tokens over a cached context of ``--context`` tokens; ``mixed`` n
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 import statistics
 import sys
@@ -54,8 +56,7 @@ def make_chunks(kind: str, n: int, kv: BlockManager, next_id, prompt: int, conte
     return chunks
 
 
-def one(ex, kv, batch: Batch, profile: bool = False):
-    prof = cProfile.Profile() if profile else None
+def one(ex, kv, batch: Batch, prof: cProfile.Profile | None = None):
     t = time.perf_counter()
     if prof:
         prof.enable()
@@ -68,14 +69,18 @@ def one(ex, kv, batch: Batch, profile: bool = False):
     for c in batch.chunks:
         ex.release(c.req_id)
         kv.free(c.req_id)
-    return host, res.end - res.start, prof
+    return host, res.end - res.start
 
 
-def top(prof, k: int) -> str:
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(k)
-    lines = [ln for ln in s.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()]
-    return "\n".join("    " + ln for ln in lines[:k])
+def top(prof: cProfile.Profile, k: int, launches: int) -> str:
+    """The ``k`` functions with the most own time, per launch: calls, own us, cumulative us."""
+    st = pstats.Stats(prof).stats
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:k]
+    out = ["| function | calls | own us | cumulative us |", "|---|---:|---:|---:|"]
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        out.append(f"| {where} | {calls / launches:.0f} | {own / launches * 1e6:.1f} | {cum / launches * 1e6:.1f} |")
+    return "\n".join(out)
 
 
 def op_costs(ex, device: str, reps: int = 200) -> list[tuple[str, float]]:
@@ -145,6 +150,9 @@ def main() -> None:
     ap.add_argument("--token-buckets", default="",
                     help="token buckets of the prefill graphs, comma-separated (default: the executor's)")
     ap.add_argument("--profile-top", type=int, default=12, help="functions listed per profiled launch (0: none)")
+    ap.add_argument("--profile-count", type=int, default=None,
+                    help="request count profiled (default: the middle of --counts)")
+    ap.add_argument("--profile-reps", type=int, default=20, help="launches profiled together (per kind)")
     args = ap.parse_args()
 
     from bullet.gpu.executor import GpuExecutor
@@ -179,13 +187,17 @@ def main() -> None:
             for rep in range(args.reps + 1):  # the first is warm-up
                 chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context, args.max_tokens)
                 batch = Batch(part, range(spec.num_layers), tuple(chunks))
-                prof = args.profile_top and rep == args.reps and n == args.counts[len(args.counts) // 2]
-                h, g, p = one(ex, kv, batch, bool(prof))
+                h, g = one(ex, kv, batch)
                 if rep:
                     hosts.append(h)
                     gpus.append(g)
-                if p:
-                    profiles.append((kind, n, p))
+            if args.profile_top and n == (args.profile_count or args.counts[len(args.counts) // 2]):
+                prof = cProfile.Profile()
+                for _ in range(args.profile_reps):
+                    chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context,
+                                         args.max_tokens)
+                    one(ex, kv, Batch(part, range(spec.num_layers), tuple(chunks)), prof)
+                profiles.append((kind, n, prof))
             tokens = sum(c.num_tokens for c in chunks)
             rows.append((kind, n, tokens, statistics.median(hosts) * 1e3, statistics.median(gpus) * 1e3))
     print("| kind | requests | tokens | host ms in launch() | GPU ms (events) | host / GPU |")
@@ -193,8 +205,9 @@ def main() -> None:
     for kind, n, tok, h, g in rows:
         print(f"| {kind} | {n} | {tok} | {h:.2f} | {g:.2f} | {h / g:.2f} |")
     for kind, n, p in profiles:
-        print(f"\ncProfile of one {kind} launch with {n} requests (own time, top {args.profile_top}):")
-        print(top(p, args.profile_top))
+        print(f"\ncProfile of {args.profile_reps} {kind} launches with {n} requests, per launch (top "
+              f"{args.profile_top} by own time; the profiler's own cost inflates small functions):")
+        print(top(p, args.profile_top, args.profile_reps))
     print("\n| single call | host us (median) |")
     print("|---|---:|")
     for name, us in op_costs(ex, args.device):

@@ -578,8 +578,10 @@ def test_fill_rows_by_hand_and_against_a_loop():
             chunks.append(Chunk(i, start, k, tuple(int(x) for x in rng.integers(0, 999, need + extra)),
                                 bool(rng.integers(0, 2))))
         T = sum(c.num_tokens for c in chunks)
-        got, want = arrays(T, n, W), arrays(T, n, W)
+        got, want, mirrored = arrays(T, n, W), arrays(T, n, W), arrays(T, n, W)
         fill_rows(chunks, B, *got)
+        # block ids from int32 copies, as the executor passes them (GpuExecutor._block_table)
+        fill_rows(chunks, B, *mirrored, table=lambda c: np.asarray(c.block_ids, np.int32))
         pos, slot, starts, ctx, samp, bt = want
         row = k = 0
         for i, c in enumerate(chunks):  # the reference: one chunk, one token at a time
@@ -593,8 +595,8 @@ def test_fill_rows_by_hand_and_against_a_loop():
             if c.sample:
                 samp[k] = row - 1
                 k += 1
-        for a, b in zip(got, want):
-            assert a.tolist() == b.tolist()
+        for a, b, m in zip(got, want, mirrored):
+            assert a.tolist() == b.tolist() == m.tolist()
     with pytest.raises(ValueError, match="request 7 has 1 blocks, too few for 6 tokens"):
         fill_rows([Chunk(7, 5, 1, (1,), True)], 4, *arrays(1, 1, 4))
     with pytest.raises(ValueError, match="request 8 needs 3 blocks, room for 2"):

@@ -11,7 +11,7 @@ Executors should put decode chunks first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +63,11 @@ class AttnMeta:
 
 
 def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | str,
-               max_blocks: int | None = None, block_q: int | None = None) -> AttnMeta:
+               max_blocks: int | None = None, block_q: int | None = None,
+               table: Callable[[Chunk], Sequence[int]] | None = None) -> AttnMeta:
     """Metadata for one launch over ``chunks`` (their token rows in chunk order). ``block_q``: new tokens per
-    tile of the one-call prefill attention (``kernels.prefill_attention.block_q``); None: SDPA per sequence."""
+    tile of the one-call prefill attention (``kernels.prefill_attention.block_q``); None: SDPA per sequence.
+    ``table``: as :func:`fill_rows`'s."""
     n = len(chunks)
     q_lens = tuple(c.num_tokens for c in chunks)
     ctx_lens = tuple(c.start + c.num_tokens for c in chunks)
@@ -89,7 +91,7 @@ def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | 
     pos, slot, starts, ctx, sample, bt, tls = (buf[offs[i]:offs[i] + sizes[i]] for i in range(7))
     if tiles is not None:
         tls[:] = tiles.ravel()
-    fill_rows(chunks, block_size, pos, slot, starts, ctx, sample, bt.reshape(n, width))
+    fill_rows(chunks, block_size, pos, slot, starts, ctx, sample, bt.reshape(n, width), table)
     host = torch.from_numpy(buf)
     if torch.device(device).type == "cuda":  # pinned and asynchronous: a copy from pageable memory would wait
         # for the stream to drain first (the host could not run ahead of a multi-step eager launch)
@@ -104,25 +106,34 @@ def build_meta(chunks: Sequence[Chunk], block_size: int, device: torch.device | 
 
 
 def fill_rows(chunks: Sequence[Chunk], block_size: int, pos: np.ndarray, slot: np.ndarray, starts: np.ndarray,
-              ctx: np.ndarray, sample: np.ndarray, bt: np.ndarray) -> None:
+              ctx: np.ndarray, sample: np.ndarray, bt: np.ndarray,
+              table: Callable[[Chunk], Sequence[int]] | None = None) -> None:
     """Write the chunks' rows into int32 arrays: positions and pool slots of the new tokens, cu_seqlens
     (``starts[0]`` is left as it is: 0), contexts after the launch, the row of each sampling chunk's last
-    token, and block tables (``bt [>= len(chunks), >= blocks needed]``; columns past a chunk's need untouched)."""
+    token, and block tables (``bt [>= len(chunks), >= blocks needed]``; columns past a chunk's need untouched).
+    ``table(chunk)``: its block ids (the executor's per-request int32 copies, ``GpuExecutor._block_table``);
+    default ``chunk.block_ids``. One-token rows (decode rows, most of a mixed launch's) take no numpy call."""
     row = k = 0
     for i, c in enumerate(chunks):
-        n = c.start + c.num_tokens
+        m = c.num_tokens
+        n = c.start + m
         need = -(-n // block_size)
-        blocks = np.asarray(c.block_ids[:need], dtype=np.int64)
+        blocks = c.block_ids if table is None else table(c)
         if len(blocks) < need:
-            raise ValueError(f"build_meta: request {c.req_id} has {len(c.block_ids)} blocks, too few for "
+            raise ValueError(f"build_meta: request {c.req_id} has {len(blocks)} blocks, too few for "
                              f"{n} tokens")
         if need > bt.shape[1]:
             raise ValueError(f"build_meta: request {c.req_id} needs {need} blocks, room for {bt.shape[1]}")
-        bt[i, :need] = blocks
-        p = np.arange(c.start, n)
-        pos[row:row + c.num_tokens] = p
-        slot[row:row + c.num_tokens] = blocks[p // block_size] * block_size + p % block_size
-        row += c.num_tokens
+        bt[i, :need] = blocks[:need]
+        if m == 1:
+            p = c.start
+            pos[row] = p
+            slot[row] = int(blocks[p // block_size]) * block_size + p % block_size
+        else:
+            p = np.arange(c.start, n)
+            pos[row:row + m] = p
+            slot[row:row + m] = np.asarray(blocks[:need], np.int64)[p // block_size] * block_size + p % block_size
+        row += m
         starts[i + 1] = row
         ctx[i] = n
         if c.sample:

@@ -433,7 +433,8 @@ class GpuExecutor:
         dec = leading_decode(chunks) > 0 and pg.key(side, b, layers, greedy, True) in pg.graphs
         if pg.key(side, b, layers, greedy, dec) not in pg.graphs:
             return None
-        return pg.run(side, chunks, x, b, layers, greedy, None if greedy else (temp, top_p, seeds, offsets), dec)
+        return pg.run(side, chunks, x, b, layers, greedy, None if greedy else (temp, top_p, seeds, offsets), dec,
+                      self._block_table)
 
     # ------------------------------------------------------------------ inputs
     def _state(self, req_id: int) -> _ReqState:
@@ -544,7 +545,8 @@ class GpuExecutor:
             if hidden is not None:  # a view of the lane's graph buffer, which the slice of another job (one run
                 hidden = hidden.clone()  # while this one is set aside) would overwrite: hold a copy
             else:
-                meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q)
+                meta = build_meta(chunks, self.block_size, self.device, block_q=self.model.block_q,
+                                  table=self._block_table)
                 hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)
             ev = None
             if self.cuda:
@@ -646,7 +648,7 @@ class GpuExecutor:
         toks = torch.empty((steps, len(samp)), dtype=torch.int64, device=self.device) if samp else None
         for k in range(steps):
             cur = chunks if k == 0 else [c._replace(start=c.start + k) for c in chunks]  # k > 0: decode only
-            meta = build_meta(cur, self.block_size, self.device, block_q=self.model.block_q)
+            meta = build_meta(cur, self.block_size, self.device, block_q=self.model.block_q, table=self._block_table)
             hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)  # steps > 1: all layers
             if samp:
                 logits = self.model.logits(hidden, meta.sample_rows)

@@ -188,20 +188,21 @@ class PrefillGraphs:
 
     # ------------------------------------------------------------------ replay
     def run(self, side, chunks: Sequence[Chunk], x: torch.Tensor, bucket: int, layers: range, greedy: bool,
-            sampling: tuple | None = None, dec: bool = False) -> torch.Tensor:
+            sampling: tuple | None = None, dec: bool = False, table=None) -> torch.Tensor:
         """Replay the captured graph for ``chunks`` (on the current stream, the replay stream): ``x`` is
         their token ids ``[T]`` (``layers.start == 0``) or the hidden state ``[T, hidden]`` of the previous
         slice. Returns the hidden state (a view of ``hidden_in``) for a slice that stops short, else the
         sampled ids of the sampling chunks, in chunk order (a view of ``out``). ``sampling``: (temperature,
         top_p, seeds, offsets) device tensors of the sampling chunks where not greedy. ``dec``: replay the
-        variant whose decode kernel takes the leading one-token chunks (see ``key``)."""
+        variant whose decode kernel takes the leading one-token chunks (see ``key``). ``table``: each chunk's block
+        ids, as :func:`fill_rows` takes them."""
         g = self.graphs[self.key(side, bucket, layers, greedy, dec)]
         T = sum(c.num_tokens for c in chunks)
         n = len(chunks)
         nd = leading_decode(chunks) if dec else 0
         self._fence.wait()
         pos, slot, starts, ctx, samp, bt, tiles, dctx = self._np
-        fill_rows(chunks, self.block_size, pos, slot, starts, ctx, samp, bt.reshape(self.max_seqs, -1))
+        fill_rows(chunks, self.block_size, pos, slot, starts, ctx, samp, bt.reshape(self.max_seqs, -1), table)
         pos[T:bucket] = 0
         slot[T:bucket] = -1
         starts[n + 1:] = T
