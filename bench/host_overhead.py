@@ -7,7 +7,7 @@ eager forward is made of (median of many calls, no sync between them).
     python3 bench/host_overhead.py [--counts 1 8 64] [--kinds prefill prefix mixed decode] [--reps 5]
     python3 bench/host_overhead.py --device cpu --model tiny-llama --counts 1 4 --reps 2
     python3 bench/host_overhead.py --kinds mixed --counts 8 48 --prefill-graphs --decode-rows --profile-count 48 \
-        --profile-reps 50
+        --profile-reps 50 [--steady]
 
 Kinds: ``prefill`` n fresh prompts (``--prompt`` tokens each, at most ``--max-tokens`` in all);
 ``prefix`` n chunks of ``--prompt`` tokens over a cached context of ``--context`` tokens; ``mixed`` n
@@ -32,8 +32,17 @@ from bullet.config import GPUS, resolve_model
 from bullet.kvcache import BlockManager
 
 
-def make_chunks(kind: str, n: int, kv: BlockManager, next_id, prompt: int, context: int, max_tokens: int):
+def make_chunks(kind: str, n: int, kv: BlockManager, next_id, prompt: int, context: int, max_tokens: int,
+                steady: list[int] | None = None, step: int = 0):
+    """One launch's chunks. ``steady``: the decode rows are these requests (allocated by :func:`steady_rows`),
+    one position further at each ``step``, as in serving, instead of new requests."""
     chunks = []
+    if steady is not None and kind in ("mixed", "decode", "decode-graph"):
+        chunks = [Chunk(rid, context + step, 1, kv.tables[rid], True, (1,)) for rid in steady]
+        if kind == "mixed":
+            rid = next_id()
+            chunks.append(Chunk(rid, 0, prompt, kv.allocate(rid, prompt), True))
+        return chunks
     if kind == "prefill":
         p = max(1, min(prompt, max_tokens // n))
         for _ in range(n):
@@ -56,7 +65,23 @@ def make_chunks(kind: str, n: int, kv: BlockManager, next_id, prompt: int, conte
     return chunks
 
 
-def one(ex, kv, batch: Batch, prof: cProfile.Profile | None = None):
+def steady_rows(kv: BlockManager, n: int, next_id, context: int, steps: int) -> list[int]:
+    """``n`` requests with KV for ``context + steps`` tokens, decoded launch after launch by ``--steady``."""
+    ids = [next_id() for _ in range(n)]
+    for rid in ids:
+        kv.allocate(rid, context + steps + 1)
+    return ids
+
+
+def launch_at(ex, kv, part, args, kind, n, counter, steady, step, prof=None):
+    """One launch of ``kind`` with ``n`` requests (``steady``'s decode rows at ``step``): host s, GPU s, tokens."""
+    chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context, args.max_tokens, steady,
+                         step)
+    h, g = one(ex, kv, Batch(part, range(ex.spec.num_layers), tuple(chunks)), prof, frozenset(steady or ()))
+    return h, g, sum(c.num_tokens for c in chunks)
+
+
+def one(ex, kv, batch: Batch, prof: cProfile.Profile | None = None, keep: frozenset = frozenset()):
     t = time.perf_counter()
     if prof:
         prof.enable()
@@ -67,8 +92,9 @@ def one(ex, kv, batch: Batch, prof: cProfile.Profile | None = None):
     host = time.perf_counter() - t
     (res,) = ex.wait(None)
     for c in batch.chunks:
-        ex.release(c.req_id)
-        kv.free(c.req_id)
+        if c.req_id not in keep:
+            ex.release(c.req_id)
+            kv.free(c.req_id)
     return host, res.end - res.start
 
 
@@ -153,6 +179,10 @@ def main() -> None:
     ap.add_argument("--profile-count", type=int, default=None,
                     help="request count profiled (default: the middle of --counts)")
     ap.add_argument("--profile-reps", type=int, default=20, help="launches profiled together (per kind)")
+    ap.add_argument("--steady", action="store_true",
+                    help="mixed/decode: the same decode requests launch after launch, one position further each "
+                         "time, as in serving (the executor's per-request block-table copies then hit); default: "
+                         "new requests every launch")
     args = ap.parse_args()
 
     from bullet.gpu.executor import GpuExecutor
@@ -184,21 +214,23 @@ def main() -> None:
         ex.use_graphs = cuda and (kind == "decode-graph" or args.prefill_graphs)
         for n in args.counts:
             hosts, gpus = [], []
+            reps = args.reps + 1 + args.profile_reps
+            steady = steady_rows(kv, n, lambda: next(counter), args.context, reps) \
+                if args.steady and kind != "prefill" and kind != "prefix" else None
+
             for rep in range(args.reps + 1):  # the first is warm-up
-                chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context, args.max_tokens)
-                batch = Batch(part, range(spec.num_layers), tuple(chunks))
-                h, g = one(ex, kv, batch)
+                h, g, tokens = launch_at(ex, kv, part, args, kind, n, counter, steady, rep)
                 if rep:
                     hosts.append(h)
                     gpus.append(g)
             if args.profile_top and n == (args.profile_count or args.counts[len(args.counts) // 2]):
                 prof = cProfile.Profile()
-                for _ in range(args.profile_reps):
-                    chunks = make_chunks(kind, n, kv, lambda: next(counter), args.prompt, args.context,
-                                         args.max_tokens)
-                    one(ex, kv, Batch(part, range(spec.num_layers), tuple(chunks)), prof)
+                for k in range(args.profile_reps):
+                    launch_at(ex, kv, part, args, kind, n, counter, steady, args.reps + 1 + k, prof)
                 profiles.append((kind, n, prof))
-            tokens = sum(c.num_tokens for c in chunks)
+            for rid in steady or ():
+                ex.release(rid)
+                kv.free(rid)
             rows.append((kind, n, tokens, statistics.median(hosts) * 1e3, statistics.median(gpus) * 1e3))
     print("| kind | requests | tokens | host ms in launch() | GPU ms (events) | host / GPU |")
     print("|---|---:|---:|---:|---:|---:|")
