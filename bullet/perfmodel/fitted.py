@@ -121,7 +121,7 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # stand-alone step spent in its tensor-core GEMMs (the profile's measured GEMM table at its graph bucket and SMs;
 # 0 for a one-row step, whose fused GEMV runs on the CUDA cores, and without a table) x its SM share. On the shipped
 # Llama-3.1-8B H200 profile, with the fit weighted to relative error: co-run prefill held out, random 20 % / each
-# SM count, 4.5 / 4.2 -> 2.7 / 3.4 % (40 random splits: 4.0 -> 3.4 %); co_bw's weight falls to ~0.
+# SM count, 4.5 / 4.2 -> 2.7 / 3.3 % (40 random splits: 4.0 -> 3.4 %); co_bw's weight falls to ~0.
 CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm")
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
 CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm")  # every contention
