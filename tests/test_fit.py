@@ -89,9 +89,8 @@ def synthetic_profile(folder: Path, fm: FittedModel | None = None) -> Path:
             raw.update(first_s=first, step_s=step, gpu_s=first + (steps - 1) * step)
         else:
             gpu = fm.gpu_time(w, n)
-            if r["co_kind"]:  # the slowed prefill's own HBM demand: its bytes over its stand-alone time
-                own = fm.q.bytes_of(w) / gpu * 1e-12
-                gpu *= 1 + fm._slowdown("co_eager", n, co_work_of_row(r), r["co_sms"], False, own)
+            if r["co_kind"]:  # (the slowed prefill's own HBM demand and FLOP rate: from its stand-alone time)
+                gpu = fm.eager_next_to(w, gpu, n, co_work_of_row(r), r["co_sms"])
                 raw["overlap"] = 1.0
             host = fm.host_time(w) or gpu / 20  # a graph replay's host time: small, and not fitted
             raw.update(gpu_s=gpu, first_s=gpu, step_s=gpu, host_s=min(host, gpu / 2))
@@ -229,11 +228,15 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 4
+    assert data["version"] == 5
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
-    with pytest.raises(ConfigError, match=r"version 5, this bullet reads versions 1, 2, 3, 4: refit it"):
-        FittedModel({**data, "version": 5})
+    shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
+    FittedModel.load(H200_PROFILE / "model.json", LLAMA, GPUS["h200"])
+    if shipped["version"] == 4:
+        assert "own_flops_co_sm" not in {q for q, _ in shipped["families"]["co_eager"]["terms"]}
+    with pytest.raises(ConfigError, match=r"version 6, this bullet reads versions 1, 2, 3, 4, 5: refit it"):
+        FittedModel({**data, "version": 6})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
@@ -620,6 +623,65 @@ def test_fitting_recovers_the_gemm_table_coefficient(tmp_path):
     assert np.asarray(model["gemm_table"]["layer_s"]) == pytest.approx(np.asarray(table["layer_s"]), rel=1e-12)
     # the default terms take the table where the profile has one
     assert ["gemm_table", "one"] in fit_model(prof, prof.rows)["families"]["decode_step"]["terms"]
+
+
+def test_power_terms_by_hand():
+    """``own_flops_co_sm``: the prefill's own FLOP rate (its FLOPs over its stand-alone time, PFLOP/s) x the
+    co-runner's SM share; ``co_gemm_co_sm``: the decode co-runner's GEMM-table seconds over its stand-alone step x
+    its SM share (0 beside a one-row step, whose GEMV has no table term, and without a table). Array path = scalar."""
+    fm = truth_model()
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in TRUE.items()}
+    pre = Work(32, 3000, 1, 3000 * 3001 / 2, 3000, 1, True, 3000)
+    dec = Work(32, 100, 100, 100 * 500.0, 100 * 500, 100, True, 500)
+    one = Work(32, 1, 1, 500.0, 500, 1, True, 500)
+    q = fm.q
+    flops = 32 * (3000 * q.layer_flops_per_token + 3000 * 3001 / 2 * q.attn_flops_per_pair)
+    fm1 = FittedModel({**fm.data, "version": 5, "gemm_table": GEMM,
+                       "families": {**fams, "co_eager": {"terms": [["own_flops_co_sm", "one"]], "coef": [0.8]}}})
+    alone = fm1.predict(pre, 100)
+    assert fm1.predict(pre, 100, dec, 32) == pytest.approx(alone * (1 + 0.8 * flops / alone * 1e-15 * 32 / 132),
+                                                           rel=1e-12)
+    fm2 = FittedModel({**fm.data, "version": 5, "gemm_table": GEMM,
+                       "families": {**fams, "co_eager": {"terms": [["co_gemm_co_sm", "one"]], "coef": [0.3]}}})
+    alone, dec_alone = fm2.predict(pre, 100), fm2.predict(dec, 32)
+    g = 32 * 3.0e-4 / dec_alone  # 100 rows take the 128-row bucket: 3.0e-4 s a layer on 32 SMs
+    assert fm2.predict(pre, 100, dec, 32) == pytest.approx(alone * (1 + 0.3 * g * 32 / 132), rel=1e-12)
+    assert fm2.predict(pre, 100, one, 32) == alone  # the GEMV path: no GEMM term
+    assert FittedModel({**fm2.data, "gemm_table": None}).predict(pre, 100, dec, 32) == alone
+    for m in (fm1, fm2):
+        menu = np.array([20, 60, 92, 100, 124])
+        assert m.predict(pre, menu, dec, 132 - menu).tolist() == [m.predict(pre, int(n), dec, 132 - int(n))
+                                                                  for n in menu]
+
+
+def test_fitting_recovers_the_power_terms(tmp_path, real):
+    """A synthetic profile whose co-run prefills slow by known weights of the version-5 power terms (with a GEMM
+    table, so that co_gemm_co_sm is not 0) beside the older ones: the fit (weighted to relative error) recovers
+    them, and the model's JSON round-trips to identical co-run predictions, scalar and array."""
+    truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
+                                  (("own_flops_co_sm", "one"), 0.9), (("co_gemm_co_sm", "one"), 0.25)]}
+    table = {"sms": [8, 24, 40, 56, 72, 88, 104, 132], "rows": [2, 8, 32, 64, 128, 256],
+             "layer_s": [[(1 + 0.01 * r) * 1e-4 * 8 / min(s, 60) for s in [8, 24, 40, 56, 72, 88, 104, 132]]
+                         for r in [2, 8, 32, 64, 128, 256]]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 5, "families": fams, "gemm_table": table})
+    folder = synthetic_profile(tmp_path / "synthetic", fm)
+    write_gemm_csv(folder / "gemm.csv", table)
+    prof = load_profile(folder)
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
+                                                                  abs=1e-9)
+    # the default terms carry them
+    assert ["own_flops_co_sm", "one"] in fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    path = tmp_path / "model.json"
+    write_model({**model, "fitted": "test", "profile": {}, "errors": {}}, path)
+    a, b = FittedModel(model), FittedModel.load(path, LLAMA, GPUS["h200"])
+    menu = np.array([20, 28, 60, 92, 124])
+    for r in [r for r in real.rows if r["co_kind"] == "decode"][::3]:
+        w, co = work_of_row(r), co_work_of_row(r)
+        assert a.predict(w, r["sms"], co, r["co_sms"]) == b.predict(w, r["sms"], co, r["co_sms"]) \
+            > b.predict(w, r["sms"])
+        assert np.array_equal(a.predict(w, menu, co, 132 - menu), b.predict(w, menu, co, 132 - menu))
 
 
 @pytest.mark.parametrize("edit, message", [

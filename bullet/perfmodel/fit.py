@@ -4,9 +4,9 @@ latency model (JSON, read by :class:`~bullet.perfmodel.fitted.FittedModel`), wit
 Each family of ``fitted.py`` is a non-negative least-squares fit (scikit-learn ``LinearRegression(positive=
 True)``, weighted by 1 / target^2 so that it minimises relative error) of the measured times on the terms
 listed in :data:`TERMS`. The contention families are fitted second, on the measured co-run time over the
-stand-alone prediction. Held-out error: a seeded random 20 % of the points, and leave-one-partition-size-out
-(every point measured on that SM count held out, the rest fitted), as MAPE mean and p95 per family and for
-whole launches. scikit-learn is imported here only; prediction never needs it.
+stand-alone prediction (``co_eager`` weighted by 1 / (that ratio)^2: relative error of the co-run time).
+Held-out error: a seeded random 20 % of the points, and leave-one-partition-size-out (every point measured on
+that SM count held out, the rest fitted), as MAPE mean and p95 per family and for whole launches. scikit-learn is imported here only; prediction never needs it.
 """
 
 from __future__ import annotations
@@ -343,12 +343,14 @@ def _design(q: Quantities, terms, items: list[tuple[dict, int]]) -> np.ndarray:
     return np.array([[qv[name] * tables[b][n] for name, b in terms] for qv, n in items], dtype=np.float64)
 
 
-def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True, weights: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative least squares of ``y`` on ``X``, weighted by ``weights`` where given, else by 1 / y^2
+    (``relative``: relative error) or not at all."""
     from sklearn.linear_model import LinearRegression
 
     if len(y) == 0:
         return np.zeros(X.shape[1])
-    w = 1.0 / y**2 if relative else None
+    w = weights if weights is not None else 1.0 / y**2 if relative else None
     reg = LinearRegression(positive=True, fit_intercept=False)
     reg.fit(X, y, sample_weight=w)
     return np.maximum(reg.coef_, 0.0)
@@ -405,11 +407,15 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
                 if o <= 0.0 or alone <= (1.0 - o) * t:
                     continue  # no overlap, or not measurable from this point
                 ratio = o * t / (alone - (1.0 - o) * t) if o < 1.0 else t / alone
-            own = fm.own_bw(w, alone) if kind == "prefill" else 0.0  # the slowed prefill's own HBM demand
-            items.append((fm.co_features(n, co, co_sms, False, own), 0))
+            # the slowed prefill's own HBM demand and FLOP rate
+            own, own_fl = (fm.own_bw(w, alone), fm.own_flops(w, alone)) if kind == "prefill" else (0.0, 0.0)
+            items.append((fm.co_features(n, co, co_sms, False, own, own_fl), 0))
             y.append(ratio - 1.0)
         X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
-        coef[family] = _nnls(X, np.asarray(y), relative=False) if y else np.zeros(len(terms[family]))
+        # co_eager weighted to the relative error of the co-run time, 1 + s; co_decode unweighted (weighted too,
+        # its held-out error was 2.6 / 3.0 -> 2.7 / 3.0 %: bench/RESULTS.md, "Co-run prefill fit")
+        wts = 1.0 / (1.0 + np.asarray(y)) ** 2 if family == "co_eager" else None
+        coef[family] = _nnls(X, np.asarray(y), relative=False, weights=wts) if y else np.zeros(len(terms[family]))
         counts[family] = len(y)
     return _assemble(prof, terms, kernels, coef, counts)
 

@@ -77,9 +77,10 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 4  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
-# CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); older files read unchanged
-READS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+# CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
+# slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); older files read unchanged
+READS = (1, 2, 3, 4, 5)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -114,9 +115,17 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # co-runner's SMs the more its own partition streams (``sm_bw_co_sm``: what a reference decode step, 64 rows at
 # context 1024, pulls on that many SMs x the co-runner's SM share). `bullet fit profiles/h200/llama-3.1-8b`, each SM
 # count held out: co-run prefill 6.5 -> 5.3 %, co-run decode 5.7 -> 4.5 % (docs/perfmodel.md).
-CO_EAGER_Q = CO_Q + ("own_bw_co_bw",)
+# Version 5 adds two terms of a prefill's slowdown that read the co-runner's SMs as power drawn under the board's cap
+# rather than HBM demand (bench/RESULTS.md, "Co-run prefill fit"): ``own_flops_co_sm``, the prefill's own stand-alone
+# FLOP rate (PFLOP/s) x the co-runner's SM share, and ``co_gemm_co_sm``, the share of the decode co-runner's
+# stand-alone step spent in its tensor-core GEMMs (the profile's measured GEMM table at its graph bucket and SMs;
+# 0 for a one-row step, whose fused GEMV runs on the CUDA cores, and without a table) x its SM share. On the shipped
+# Llama-3.1-8B H200 profile, with the fit weighted to relative error: co-run prefill held out, random 20 % / each
+# SM count, 4.5 / 4.2 -> 2.7 / 3.3 % (40 random splits: 4.0 -> 3.4 %); co_bw's weight falls to ~0.
+CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm")
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
-CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm")  # every contention quantity (FittedModel.co_features)
+CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm")  # every contention
+# quantity (FittedModel.co_features), in the order FittedModel._co_scalar builds them
 SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
 
 
@@ -340,6 +349,10 @@ class Quantities:
         return {"layers": L * 1e-3, "seq_layers": L * w.seqs * 1e-3, "tokens": w.tokens * 1e-6,
                 "prefix_tokens": self.prefix(w) * 1e-6, "launch": 1e-3}
 
+    def flops_of(self, w: Work) -> float:
+        """FLOPs of a launch's layer GEMMs and attention (unpadded rows; the LM head left out)."""
+        return float(w.num_layers) * (w.tokens * self.layer_flops_per_token + w.attn_pairs * self.attn_flops_per_pair)
+
     def bytes_of(self, w: Work) -> float:
         """HBM bytes a launch moves: weights once, KV read, activations (for the co-runner's demand)."""
         L = float(w.num_layers)
@@ -530,17 +543,21 @@ class FittedModel:
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
         self._sm_bw_table: list[float] | None = None
-        self._own = any(c for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef)
-                        if q == "own_bw_co_bw")  # (older models: no such term, no division to make)
+        used = {q for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef) if c}
+        self._own = "own_bw_co_bw" in used  # (older models: no such term, no division to make)
+        self._own_fl = "own_flops_co_sm" in used  # (version 5)
+        self._co_gemm: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its stand-alone GEMM share (co_gemm_co_sm)
         # families whose fitted terms read only the SM counts, not the co-runner's HBM demand (the shipped H200
         # fit's co_decode: its co_bw terms fitted to 0): their slowdown is memoised by SM counts alone, and the
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
         self._sm_only = {name for name in ("co_decode", "co_eager")
-                         if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw"}}
+                         if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw",
+                                                                 "own_flops_co_sm", "co_gemm_co_sm"}}
         # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
         self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
                           if set(lin.quantities) <= set(CO_FEATURES)}
+        self._gemm_fams = {name for name in ("co_decode", "co_eager") if "co_gemm_co_sm" in self.f[name].quantities}
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
         self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
@@ -787,19 +804,43 @@ class FittedModel:
             t = self._eager[key] = self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
         return t
 
-    def co_features(self, n, co: Work, co_sms, arr: bool, own=0.0) -> dict:
+    def co_features(self, n, co: Work, co_sms, arr: bool, own=0.0, own_fl=0.0) -> dict:
         """The contention quantities of a lane on ``n`` SMs next to ``co`` on ``co_sms``; ``own``: the lane's
-        own stand-alone HBM demand (TB/s; :data:`CO_EAGER_Q`)."""
+        own stand-alone HBM demand (TB/s), ``own_fl`` its FLOP rate (PFLOP/s; both :data:`CO_EAGER_Q`)."""
         N, sm_bw = self.num_sms, self._sm_bw()
         if arr or isinstance(co_sms, np.ndarray):
             csm = np.broadcast_to(np.asarray(co_sms, dtype=np.intp), np.shape(n))
             on = csm > 0  # no co-runner where it has no SMs: no slowdown
-            u = np.where(on, self.q.bytes_of(co) / self._co_alone_array(co, np.maximum(csm, 1)) * 1e-12, 0.0)
+            c1 = np.maximum(csm, 1)
+            alone = self._co_alone_array(co, c1)
+            u = np.where(on, self.q.bytes_of(co) / alone * 1e-12, 0.0)
+            g = np.where(on, self._gemm_seconds(co, c1) / alone, 0.0)
             return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N, "own_bw_co_bw": own * u,
-                    "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N)}
+                    "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N), "own_flops_co_sm": own_fl * (csm / N),
+                    "co_gemm_co_sm": g * (csm / N)}
         u = self._co_demand(co, co_sms)
         return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
-                "sm_bw_co_sm": sm_bw[n] * (co_sms / N)}
+                "sm_bw_co_sm": sm_bw[n] * (co_sms / N), "own_flops_co_sm": own_fl * (co_sms / N),
+                "co_gemm_co_sm": self._co_gemm_share(co, co_sms) * (co_sms / N)}
+
+    def _gemm_seconds(self, co: Work, co_sms):
+        """Seconds a decode co-runner's layers spend in the measured GEMM table's products on ``co_sms`` SMs (int
+        or array): 0 for an eager co-runner, a one-row step (the fused GEMV) or a model without a table."""
+        if co.tokens != co.seqs or co.seqs < 2 or self.q.gemm is None:
+            return 0.0 * co_sms
+        return float(co.num_layers) * self.q.gemm_layer(self.q.bucket(co.seqs), co_sms)
+
+    def _co_gemm_share(self, co: Work, co_sms: int) -> float:
+        """The share of a co-runner's stand-alone time in its GEMMs (:meth:`_gemm_seconds`), memoised as
+        :meth:`_co_demand` is."""
+        key = (co, co_sms)
+        g = self._co_gemm.get(key)
+        if g is None:
+            if len(self._co_gemm) >= 64:
+                self._co_gemm.clear()
+            s = self._gemm_seconds(co, co_sms)
+            g = self._co_gemm[key] = s / self.gpu_time(co, co_sms) if s else 0.0
+        return g
 
     def _co_demand(self, co: Work, co_sms: int) -> float:
         """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s, memoised for the last few co-runners
@@ -812,14 +853,16 @@ class FittedModel:
             u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
         return u
 
-    def _co_scalar(self, family: str, n: int, co: Work, co_sms, own: float) -> float:
-        """``self.f[family].scalar(self.co_features(n, co, co_sms, False, own), 0)``: the same features, summed
-        in the family's order, without building their dict."""
+    def _co_scalar(self, family: str, n: int, co: Work, co_sms, own: float, own_fl: float = 0.0) -> float:
+        """``self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)``: the same features,
+        summed in the family's order, without building their dict."""
         terms = self._co_terms.get(family)
         if terms is None:
-            return self.f[family].scalar(self.co_features(n, co, co_sms, False, own), 0)
+            return self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)
         u, N = self._co_demand(co, co_sms), self.num_sms
-        x = (u, u * (n / N), co_sms / N, own * u, (self._sm_bw_table or self._sm_bw())[n] * (co_sms / N))
+        m = co_sms / N
+        x = (u, u * (n / N), m, own * u, (self._sm_bw_table or self._sm_bw())[n] * m, own_fl * m,
+             self._co_gemm_share(co, co_sms) * m if family in self._gemm_fams else 0.0)
         s = 0.0
         for i, w in terms:
             s += x[i] * w
@@ -840,20 +883,25 @@ class FittedModel:
         """An eager launch's time on ``n`` SMs next to ``co`` on ``co_sms``, from its stand-alone time(s)
         ``alone`` (its own HBM demand is a contention term only where the model has one: older files do not)."""
         own = self.own_bw(work, alone) if self._own else 0.0
-        return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own))
+        own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
+        return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own, own_fl))
 
     def own_bw(self, work: Work, alone):
         """``work``'s stand-alone HBM demand, TB/s, given its stand-alone time(s) ``alone``."""
         return self.q.bytes_of(work) / alone * 1e-12
+
+    def own_flops(self, work: Work, alone):
+        """``work``'s stand-alone FLOP rate, PFLOP/s, given its stand-alone time(s) ``alone``."""
+        return self.q.flops_of(work) / alone * 1e-15
 
     def _co_alone_array(self, co: Work, csm: np.ndarray) -> np.ndarray:
         if co.tokens == co.seqs:
             return self.f["decode_first"].array(self.q.decode(co, csm), csm)
         return self.f["eager"].array(self.q.eager(self.padded(co), csm, self.graphed(co)), csm)
 
-    def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool, own=0.0):
+    def _slowdown(self, family: str, n, co: Work, co_sms, arr: bool, own=0.0, own_fl=0.0):
         if arr:
-            return self.f[family].array(self.co_features(n, co, co_sms, arr, own),
+            return self.f[family].array(self.co_features(n, co, co_sms, arr, own, own_fl),
                                         np.zeros(np.shape(n), dtype=np.intp))
         if family in self._sm_only:
             key = (family, n, co_sms, type(co_sms))  # the type too: an int and a numpy int give other types
@@ -867,11 +915,11 @@ class FittedModel:
             return s
         if family == "co_eager":  # not memoised: an eager launch's co-runner is a decode stretch, a new Work each
             # step (0-10 % of asks hit such a memo, each within two asks: bench/RESULTS.md, tenth speed pass)
-            return self._co_scalar(family, n, co, co_sms, own)
-        key = (family, n, co, co_sms, type(co_sms), own)  # the type too: an int and a numpy int give other types
+            return self._co_scalar(family, n, co, co_sms, own, own_fl)
+        key = (family, n, co, co_sms, type(co_sms), own, own_fl)  # the type too: an int and a numpy int differ
         s = self._slow.get(key)
         if s is None:  # memoised: the same co-runner is asked about step after step
             if len(self._slow) >= 65536:
                 self._slow.clear()
-            s = self._slow[key] = self._co_scalar(family, n, co, co_sms, own)
+            s = self._slow[key] = self._co_scalar(family, n, co, co_sms, own, own_fl)
         return s
