@@ -680,6 +680,12 @@ class FittedModel:
         # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
         # found by bisection on that very expression and its term is one number across the run
         i, fs = 1, float(seqs)  # i * 1.0 * seqs == i * fs: one rounding of the same exact operands
+        # Step k's KV term is L * (kv0 + k * fs) * kvb * 1e-9 * w_kv; its first three operations act on integers
+        # (kvb, the bytes of a token's K and V, is one too) and are exact below 2**53, so they are the integers
+        # of a range, made floats: the same numbers at four float operations a step instead of seven
+        kvi = int(kvb)
+        unit = int(L) * kvi  # L * kvb as an integer
+        exact = kvi == kvb and seqs > 0 and unit * (kv0 + steps * seqs) < 2 ** 53
         while i < steps:
             m = math.ceil(math.ceil((mk + i) / splits) / per_block)
             j = steps
@@ -692,7 +698,11 @@ class FittedModel:
                     else:
                         j = mid
             b = L * float(m * per_block) * 1e-3 * w_longest
-            times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
+            if exact:
+                kv = map(float, range(unit * (kv0 + i * seqs), unit * (kv0 + j * seqs), unit * seqs))
+                times += [c + x * 1e-9 * w_kv + b for x in kv]
+            else:
+                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
             i = j
         self._raw = (work, n, times)  # unscaled: (each step) * f is the step next to the co-runner
         if f is not None:
