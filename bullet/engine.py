@@ -92,6 +92,7 @@ class Engine:
                  live_window: float | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.lanes = scheduler.lanes  # (a class attribute of the scheduler: an instance's is the cheaper read)
         self.ahead = scheduler.cfg.async_scheduling
         if self.ahead:
             scheduler.plan_ahead()
@@ -184,7 +185,7 @@ class Engine:
         plans with: the next time something could change its plan, where fused decode stretches end (default:
         ``until``, or the live horizon with ``live_window``). Returns the updates since the last call. With ``until`` None, nothing in flight and
         requests held, nothing could ever move: SchedulingError (a stall)."""
-        sched, ex, lanes = self.scheduler, self.executor, self.scheduler.lanes
+        sched, ex, lanes = self.scheduler, self.executor, self.lanes
         now = ex.now()
         self.stalled = False
         if horizon is _AT_UNTIL:
@@ -233,9 +234,11 @@ class Engine:
         """Plan every idle lane to ``plan_to`` and launch; False if admission control turned requests away
         (they are ended; the queue changed)."""
         sched, ex = self.scheduler, self.executor
-        for lane in sched.lanes:
+        for lane in self.lanes:
             if not ex.busy(lane):
-                self._launch(lane, sched.schedule(lane, now, plan_to), now)
+                batch = sched.schedule(lane, now, plan_to)
+                if batch is not None:
+                    self._launch(lane, batch, now)
             if self.ahead:
                 due = self._ahead_due(lane, plan_to)
                 if due is not None and now >= due:  # plan N+1 from N's expected end, queued behind N

@@ -15,7 +15,7 @@ used before; simpy's generality cost about a tenth of a simulation's time.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
@@ -28,25 +28,24 @@ from bullet.perfmodel.base import CachedLatency, batch_work, step_ends
 
 
 def interp(xs: list[float], ps: list[float], ts: list[float]) -> list[float]:
-    """``np.interp(xs, ps, ts).tolist()`` for non-decreasing ``ps`` and finite values, in plain floats: numpy's
-    operations (its C loop: the last ``j`` with ``ps[j] <= x``, ``ts[j]`` where ``ps[j] == x`` or ``j`` is the
-    last, else ``(ts[j+1] - ts[j]) / (ps[j+1] - ps[j]) * (x - ps[j]) + ts[j]``), so the same numbers. A fused
-    launch re-timed on the way maps its ~10 step ends through it: np.interp's wrapper and array conversions cost
-    more than the loop there (bench/RESULTS.md, tenth speed pass)."""
+    """``np.interp(xs, ps, ts).tolist()`` for non-decreasing ``xs`` and ``ps`` and finite values, in plain floats:
+    numpy's operations (its C loop: the last ``j`` with ``ps[j] <= x``, ``ts[j]`` where ``ps[j] == x`` or ``j`` is
+    the last, else ``(ts[j+1] - ts[j]) / (ps[j+1] - ps[j]) * (x - ps[j]) + ts[j]``, the slope the same number for
+    every ``x`` of a segment), so the same numbers. A fused launch re-timed on the way maps its ~10 step ends
+    through it: np.interp's wrapper and array conversions cost more than the loop there (bench/RESULTS.md, tenth
+    speed pass); with ``xs`` in order each segment's are found by one bisection (thirteenth)."""
     last = len(ps) - 1
-    lo, hi = ps[0], ps[last]
-    out = []
-    for x in xs:
-        if x > hi:
-            out.append(ts[last])
-        elif x < lo:
-            out.append(ts[0])
-        else:
-            j = bisect_right(ps, x) - 1
-            if j == last or ps[j] == x:
-                out.append(ts[j])
-            else:
-                out.append((ts[j + 1] - ts[j]) / (ps[j + 1] - ps[j]) * (x - ps[j]) + ts[j])
+    n, i = len(xs), bisect_left(xs, ps[0])  # those below the first knot take its value
+    out = [ts[0]] * i
+    for j in range(last):
+        p0, p1 = ps[j], ps[j + 1]
+        k = bisect_left(xs, p1, i)  # xs[i:k] lie in [p0, p1): j is the last knot at or below each
+        if k > i:
+            t0 = ts[j]
+            slope = (ts[j + 1] - t0) / (p1 - p0)
+            out += [t0 if x == p0 else slope * (x - p0) + t0 for x in xs[i:k]]
+            i = k
+    out += [ts[last]] * (n - i)  # at or past the last knot
     return out
 
 

@@ -194,7 +194,7 @@ class CachedLatency:
         self._step_ends = getattr(model, "decode_step_ends", None)
 
     def predict(self, work: Work, num_sms, co: Work | None = None, co_sms: int = 0):
-        if isinstance(num_sms, np.ndarray):
+        if type(num_sms) is not int and isinstance(num_sms, np.ndarray):  # (the type test first: the usual case)
             return self.model.predict(work, num_sms, co, co_sms)
         if co is None:  # (SMs of no co-runner: a policy may pass the other lane's size anyway)
             co_sms = 0

@@ -108,6 +108,9 @@ GEMM_PRODUCTS = ("qkv", "o", "gate_up", "down")
 EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "seq_layers",
            "samples", "layers", "launch")
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
+# what Quantities.eager computes, in its order (eager_tokens besides EAGER_Q: a later term)
+EAGER_KEYS = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens",
+              "seq_layers", "samples", "layers", "launch")
 CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # The slowed lane's side of contention, measured on the H200's continuous co-run points (bench/RESULTS.md, eleventh
 # session): a prefill that streams more bytes a second (a short, memory-bound prompt) loses more to the co-runner's
@@ -326,23 +329,17 @@ class Quantities:
     def eager(self, w: Work, n, graphed: bool = False) -> dict:
         """An eager or graphed prefill/mixed launch; ``eager_tokens`` are the tokens of one no prefill graph
         serves (eager launches run each kernel slower than a graph replay of the same kernels)."""
+        return dict(zip(EAGER_KEYS, self.eager_values(w, n, graphed)))
+
+    def eager_values(self, w: Work, n, graphed: bool = False) -> tuple:
+        """:meth:`eager`'s quantities in ``EAGER_KEYS`` order."""
         L, t = float(w.num_layers), float(w.tokens)
         p = self.prefix(w)
-        return {
-            "gemm_flops": L * t * self.layer_flops_per_token * 1e-12 / self.N,
-            "gemm_waves": L * self.gemm_waves(t, n) * 1e-12,
-            "weights": L * self.layer_weight_bytes * 1e-9,
-            "attn": L * w.attn_pairs * self.attn_flops_per_pair * 1e-12 / self.N,
-            "prefix_attn": L * t * p * self.attn_flops_per_pair * 1e-12 / self.N,
-            "prefix_kv": L * p * self.kv_bytes * 1e-9,
-            "kv": L * w.kv_read * self.kv_bytes * 1e-9,
-            "tokens": L * t * 1e-6,
-            "eager_tokens": 0.0 if graphed else L * t * 1e-6,
-            "seq_layers": L * w.seqs * 1e-3,
-            "samples": w.samples * 1e-3,
-            "layers": L * 1e-3,
-            "launch": 1e-3,
-        }
+        return (L * t * self.layer_flops_per_token * 1e-12 / self.N, L * self.gemm_waves(t, n) * 1e-12,
+                L * self.layer_weight_bytes * 1e-9, L * w.attn_pairs * self.attn_flops_per_pair * 1e-12 / self.N,
+                L * t * p * self.attn_flops_per_pair * 1e-12 / self.N, L * p * self.kv_bytes * 1e-9,
+                L * w.kv_read * self.kv_bytes * 1e-9, L * t * 1e-6, 0.0 if graphed else L * t * 1e-6,
+                L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3)
 
     def host(self, w: Work) -> dict:
         L = float(w.num_layers)
@@ -558,6 +555,12 @@ class FittedModel:
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
                           if set(lin.quantities) <= set(CO_FEATURES)}
         self._gemm_fams = {name for name in ("co_decode", "co_eager") if "co_gemm_co_sm" in self.f[name].quantities}
+        # the eager family's terms on each SM count as (index in EAGER_KEYS, weight), in the family's order:
+        # Linear.scalar's sum without a dict of quantities (an eager launch new to the model: ~10 % of bullet's
+        # simulation)
+        eager = self.f["eager"]
+        self._eager_terms = ([[(EAGER_KEYS.index(q), tab[n]) for q, tab in zip(eager.quantities, eager.lists)]
+                              for n in range(self.num_sms + 1)] if set(eager.quantities) <= set(EAGER_KEYS) else None)
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
         self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
@@ -697,6 +700,12 @@ class FittedModel:
         # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
         # found by bisection on that very expression and its term is one number across the run
         i, fs = 1, float(seqs)  # i * 1.0 * seqs == i * fs: one rounding of the same exact operands
+        # Step k's KV term is L * (kv0 + k * fs) * kvb * 1e-9 * w_kv; its first three operations act on integers
+        # (kvb, the bytes of a token's K and V, is one too) and are exact below 2**53, so they are the integers
+        # of a range, made floats: the same numbers at four float operations a step instead of seven
+        kvi = int(kvb)
+        unit = int(L) * kvi  # L * kvb as an integer
+        exact = kvi == kvb and seqs > 0 and unit * (kv0 + steps * seqs) < 2 ** 53
         while i < steps:
             m = math.ceil(math.ceil((mk + i) / splits) / per_block)
             j = steps
@@ -709,7 +718,11 @@ class FittedModel:
                     else:
                         j = mid
             b = L * float(m * per_block) * 1e-3 * w_longest
-            times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
+            if exact:
+                kv = map(float, range(unit * (kv0 + i * seqs), unit * (kv0 + j * seqs), unit * seqs))
+                times += [c + x * 1e-9 * w_kv + b for x in kv]
+            else:
+                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
             i = j
         self._raw = (work, n, times)  # unscaled: (each step) * f is the step next to the co-runner
         if f is not None:
@@ -759,11 +772,13 @@ class FittedModel:
         return parts
 
     def _decode_step(self, family: str, work: Work, n: int) -> float:
-        const, w_kv, w_longest, splits = self._decode_parts(family, work, n)
+        layers, _, seqs, _, kv, _, _, max_kv = work  # (one unpacking: a NamedTuple field read is a generic lookup)
+        parts = self._parts.get((family, layers, seqs, n))  # (_decode_parts' memo, read here first)
+        const, w_kv, w_longest, splits = parts if parts is not None else self._decode_parts(family, work, n)
         # decode_var(work, splits=splits)'s operations, inline (policies ask this for every candidate SM count)
-        q, L = self.q, float(work.num_layers)
-        per_block, mk = q.per_block, float(work.max_kv or (work.kv_read / max(1, work.seqs)))
-        return const + L * float(work.kv_read) * q.kv_bytes * 1e-9 * w_kv + \
+        q, L = self.q, float(layers)
+        per_block, mk = q.per_block, float(max_kv or (kv / max(1, seqs)))
+        return const + L * float(kv) * q.kv_bytes * 1e-9 * w_kv + \
             L * float(math.ceil(math.ceil(mk / splits) / per_block) * per_block) * 1e-3 * w_longest
 
     def padded(self, work: Work) -> Work:
@@ -801,7 +816,15 @@ class FittedModel:
         if t is None:
             if len(self._eager) >= 65536:
                 self._eager.clear()
-            t = self._eager[key] = self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
+            terms = self._eager_terms
+            if terms is None:
+                t = self.f["eager"].scalar(self.q.eager(self.padded(work), n, self.graphed(work)), n)
+            else:  # Linear.scalar's sum: 0.0 plus each quantity x its weight, in the family's order
+                x = self.q.eager_values(self.padded(work), n, self.graphed(work))
+                t = 0.0
+                for i, w in terms[n]:
+                    t += x[i] * w
+            self._eager[key] = t
         return t
 
     def co_features(self, n, co: Work, co_sms, arr: bool, own=0.0, own_fl=0.0) -> dict:

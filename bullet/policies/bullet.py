@@ -601,9 +601,10 @@ class Bullet(LayerSliced):
         chunks, L = self.job[0], self.model.num_layers
         if self._job_sums is None or self._job_sums[0] is not chunks:
             self._job_sums = (chunks, work_of(Batch(self.whole_gpu, self.all_layers, chunks), L))
-        w = self._job_sums[1]  # all layers: every sample counted, the embedding included
-        return new_work(Work, (len(layers), w.tokens, w.seqs, w.attn_pairs, w.kv_read,
-                               w.samples if layers.stop == L else 0, layers.start == 0, w.max_kv))
+        # all layers: every sample counted, the embedding included (unpacked once: a field read is a generic lookup)
+        _, tokens, seqs, pairs, kv, samples, _, max_kv = self._job_sums[1]
+        return new_work(Work, (len(layers), tokens, seqs, pairs, kv, samples if layers.stop == L else 0,
+                               layers.start == 0, max_kv))
 
     def _prefill_want(self, now: float, work: Work, view: DecodeView) -> int:
         """The prefill size for the next slice (``work``), next to the decoding requests (``view``). When the
