@@ -5,6 +5,8 @@ requests' lists launch after launch, as in serving), and when they miss (new lis
 ``bench/host_overhead.py``, whose launches are all fresh requests). CPU only; no GPU needed.
 
     python3 bench/fill_rows_host.py [--rows 48] [--context 2048] [--reps 300]
+    git show 5036a56:bullet/gpu/attention.py > bullet/gpu/attention.py && python3 bench/fill_rows_host.py; \
+        git checkout bullet/gpu/attention.py   # the same launch before the change (its lists row only)
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ def main() -> None:
         for _ in range(args.reps):
             cs = chunks(True) if fresh else same
             t = time.perf_counter()
-            fill_rows(cs, B, *out, table=table)
+            try:
+                fill_rows(cs, B, *out) if table is None else fill_rows(cs, B, *out, table=table)
+            except TypeError:  # an older tree's fill_rows (before 6daa15d: no table argument)
+                break
             ts.append(time.perf_counter() - t)
-        print(f"| {name} | {statistics.median(ts) * 1e6:.0f} |")
+        print(f"| {name} | {statistics.median(ts) * 1e6:.0f} |" if ts else f"| {name} | (no table argument) |")
 
 
 if __name__ == "__main__":

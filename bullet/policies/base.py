@@ -439,7 +439,8 @@ class Scheduler:
         left = [r.max_new_tokens - r.num_output for r in reqs]
         extra = min(self.cfg.max_decode_steps, min(left)) - 1
         if self.ride_past_end and horizon is not None and co is None and not self.waiting \
-                and len(self.running) < self.cfg.max_num_seqs and self.ahead is None:  # (a row past its end writes positions below the model's limit)
+                and len(self.running) < self.cfg.max_num_seqs and self.ahead is None:
+            # (a row past its end writes positions below the model's limit)
             extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
                                    + 1) - 1)
         if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
