@@ -542,10 +542,29 @@ def profile(
     redo_coruns: Annotated[bool, typer.Option(
         help="Measure every co-run point again (their rows are replaced): needed to resume a profile whose "
              "co-run points were measured by an older protocol (metadata.json's corun_protocol).")] = False,
+    sizes: Annotated[str | None, typer.Option(
+        help="Partition sizes of the solo points: 'all' (every menu size of both lanes, with the quick grid's "
+             "lengths: +245 points for Llama-3.1-8B on an H200) or 'alternate' (every other one; the quick "
+             "grid's default, 'all' the full grid's). The co-run splits and random launches stay the grid's, "
+             "so the quick grid's points keep their ids.")] = None,
+    twins: Annotated[bool, typer.Option(help="Measure each co-run shape alone on its own partition too (the "
+                                             "stand-alone time a co-run point's slowdown is read against).")]
+    = False,
+    corun_min: Annotated[int, typer.Option(min=0, help="Add seeded co-run pairs on each decode size the "
+                                                       "co-runs use until it has this many (0: none added).")]
+    = 0,
+    corun_passes: Annotated[int | None, typer.Option(
+        min=1, help="Measure every co-run point in this many passes over all of them (after the solo points), "
+                    "keeping each pass in corun_passes.csv and the median of a point's passes in points.csv; a "
+                    "one-pass co-run row already there counts as the first pass. Default: the profile's own "
+                    "(metadata.json), 1 for a new one. The re-measurement of issue 9 takes 3 with --corun-min 3 "
+                    "(bench/RESULTS.md): about 800 s on an H200 resuming the shipped quick profile with --sizes "
+                    "all --twins, --corun-min 4 about 950 s.")] = None,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json, then the engine's host time between launches by batch size
-    (gaps.csv; delete it to measure it again): the measurements a fitted latency model is made from."""
+    (gaps.csv; delete it to measure it again): the measurements a fitted latency model is made from. A
+    resumed profile keeps the grid options and co-run passes it was measured with (metadata.json)."""
     try:
         spec = resolve_model(model)
     except ConfigError as e:
@@ -559,6 +578,8 @@ def profile(
     from .gpu.executor import GpuExecutor
     from .gpu.profile import run_profile
 
+    if sizes not in (None, "all", "alternate"):
+        raise fail(f"--sizes: {sizes!r} is not 'all' or 'alternate'")
     cpu = device == "cpu"
     if not cpu and not torch.cuda.is_available():
         raise fail("no CUDA device: run on a GPU machine, or use --device cpu --model tiny-llama to test")
@@ -585,14 +606,15 @@ def profile(
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
-                                            redo_coruns)
+                                            redo_coruns, sizes, twins, corun_min, corun_passes)  # type: ignore[arg-type]
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:
         raise fail(f"{out}: cannot write the profile: {e.strerror or e}") from None
     finally:
         ex.close()
-    console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json")
+    console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json"
+                  + (" (a co-run point counts once a pass)" if (corun_passes or 1) > 1 else ""))
 
 
 @app.command(cls=PlainHelpCommand)
@@ -608,9 +630,11 @@ def fit(
     """Fit the latency model to a profile: per-family non-negative regressions on physical terms (bytes,
     FLOPs, GEMM waves, rows, context) by SM count, the host time of eager launches, co-run slowdowns, and
     (from gaps.csv, where the profile has one) the engine's host time between launches.
-    Prints the held-out error (a random 20 % of the points, and each partition size left out in turn) and
-    writes the model only if every kernel family is within 3 % MAPE and whole launches within 5 % mean and
-    10 % p95 (exit 1 otherwise, unless --force)."""
+    Prints the held-out error (a random 20 % of the points; each partition size left out in turn, loso; and
+    interior loso, which keeps each lane's smallest and largest size in training) and writes the model only
+    if, on the random and the interior split, every kernel family is within 3 % MAPE and whole launches
+    within 5 % mean and 10 % p95 (exit 1 otherwise, unless --force). Where the profile has corun_passes.csv,
+    the spread of the co-run points between passes is printed too."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     try:
@@ -659,8 +683,10 @@ def print_fit_table(model: dict, console: Console) -> None:
                         f"{model['gpu']['name']}, {model['profile']['points']} points; MAPE)",
                   title_justify="left")
     table.add_column("family")
-    for split in ("rand", "loso"):
-        table.add_column(f"{split} n", justify="right")
+    splits_shown = [s for s in ("random", "loso", "interior")  # (a model file from before interior loso: two)
+                    if any(s in v for v in err["held_out"].values())]
+    for split in splits_shown:
+        table.add_column(f"{'rand' if split == 'random' else split} n", justify="right")
         table.add_column("mean", justify="right")
         table.add_column("p95", justify="right")
     table.add_column("in-sample", justify="right")
@@ -676,15 +702,23 @@ def print_fit_table(model: dict, console: Console) -> None:
         bound = limit.get(fam, err["thresholds"]["family_mean"] if fam in err["gated"] else None)
         p95_bound = err["thresholds"]["launch_p95"] if fam == "launch" else None
         row = [fam if fam in err["gated"] or fam == "launch" else f"{fam} (*)"]
-        for split in ("random", "loso"):
+        for split in splits_shown:
             s = splits[split]
-            row += [str(s["n"]), cell(s["mean"], bound), cell(s["p95"], p95_bound)]
+            gated = split in err.get("gated_splits", ("random", "loso"))
+            row += [str(s["n"]), cell(s["mean"], bound if gated else None), cell(s["p95"], p95_bound if gated else None)]
         ins = err["in_sample"].get(fam, {}).get("mean")
         row.append(cell(ins, None))
         table.add_row(*row)
     console.print(table)
-    console.print("rand: a random 20 % of the points held out (seed {}); loso: each SM count held out in turn. "
-                  "(*) not gated: host time counts through whole launches.".format(err["seed"]))
+    console.print("rand: a random 20 % of the points held out (seed {}); loso: each SM count held out in turn; "
+                  "interior: loso without holding out a lane's smallest or largest size (extrapolation past "
+                  "anything measured, which service never meets). Gated: {}. (*) not gated: host time counts "
+                  "through whole launches.".format(err["seed"], " and ".join(err.get("gated_splits", ("random", "loso")))))
+    spread = model["profile"].get("corun_passes")
+    if spread is not None:
+        console.print(f"co-run points measured in passes ({spread['source']}): {spread['points']} points, up to "
+                      f"{spread['passes']} passes each; (max - min) / median {100 * spread['spread_mean']:.1f} % "
+                      f"mean, one pass's sd {100 * spread['pass_sd']:.1f} % (pooled)", highlight=False)
     gap = model.get("host_gap")
     if gap is not None:
         pts = ", ".join(f"{n}: {g * 1e3:.3f} ms ({e:+.1f} %)"

@@ -26,8 +26,12 @@ from bullet.perfmodel.fit import (
     COLUMNS,
     co_work_of_row,
     decode_mid,
+    end_sizes,
     evaluate,
+    failures,
     fit_model,
+    fit_profile,
+    folds,
     load_profile,
     predictions,
     work_of_row,
@@ -402,6 +406,62 @@ def test_held_out_accuracy_on_the_h200_profile(real):
     assert loso["prefill"]["mean"] < 0.04 and rand["prefill"]["mean"] < 0.035  # ramps: 3.6 and 2.9 %
     for fam in ("decode step", "decode first"):
         assert loso[fam]["mean"] < 0.05 and rand[fam]["mean"] < 0.04, fam
+
+
+def test_interior_loso_never_holds_out_an_end_size(real):
+    """Interior loso holds out what loso does at each SM count, except a lane's smallest and largest size
+    (on the shipped quick profile: prefill 20 and 124, decode 8 and 104), which it never holds out; the whole
+    GPU is held out by neither."""
+    ends = end_sizes(real.rows)
+    assert ends == {"prefill": {20, 124}, "decode": {8, 104}}
+    loso = {name: held for name, split, held in folds(real) if split == "loso"}
+    interior = {name: held for name, split, held in folds(real) if split == "interior"}
+    assert set(interior) == {f"{n} (interior)" for n in loso} - {f"{s} SMs (interior)" for s in (8, 20, 104, 124)}
+    for name, held in interior.items():
+        rows = [r for r, h in zip(real.rows, held) if h]
+        assert rows and all(r["sms"] not in ends[r["lane"]] for r in rows), name
+        assert held == loso[name.removesuffix(" (interior)")]  # (end sizes are the lanes' own on the H200 menu)
+    table = evaluate(real, seed=0)
+    n = {fam: s["interior"]["n"] for fam, s in table.items()}
+    assert n["launch"] == sum(1 for r in real.rows if r["lane"] != "all" and r["sms"] not in ends[r["lane"]])
+
+
+def test_the_gate_reads_the_random_and_interior_splits():
+    """A family over 3 % only on plain loso (an end size held out) passes; over 3 % on interior loso or the
+    random split, it fails, named with its split."""
+    def table(rand, loso, interior):
+        return {"prefill": {"random": {"n": 9, "mean": rand, "p95": 0.05}, "loso": {"n": 9, "mean": loso, "p95": 0.05},
+                            "interior": {"n": 9, "mean": interior, "p95": 0.05}}}
+
+    assert failures(table(0.02, 0.09, 0.025)) == []
+    assert failures(table(0.02, 0.02, 0.031)) == ["prefill (interior): mean 3.1 % > 3 %"]
+    assert failures(table(0.04, 0.02, 0.02)) == ["prefill (random): mean 4.0 % > 3 %"]
+
+
+def test_a_profile_with_co_run_passes_fits_as_one_without(tmp_path, real):
+    """corun_passes.csv is read only for the spread between passes: the same points.csv fits to identical
+    coefficients with and without it (an old profile has none), and the spread is the hand figure: two passes
+    at t and 1.04 t, (max - min) / median = 0.04 / 1.02, one pass's sd 0.04 t / sqrt(2) / 1.02 t."""
+    folder = copy_profile(tmp_path)
+    assert not (folder / "corun_passes.csv").exists()
+    plain = fit_model(real, real.rows)
+    co = [r for r in csv.DictReader((folder / "points.csv").open()) if r["co_kind"]]
+    with (folder / "corun_passes.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["pass", *co[0]])
+        w.writeheader()
+        for r in co:
+            col = "step_s" if r["kind"] == "decode" else "gpu_s"
+            w.writerow({"pass": 1, **r})
+            w.writerow({"pass": 2, **r, col: repr(float(r[col]) * 1.04)})
+    again = load_profile(folder)
+    assert again.rows == real.rows
+    assert json.dumps(fit_model(again, again.rows), sort_keys=True) == json.dumps(plain, sort_keys=True)
+    model = fit_profile(folder)
+    spread = model["profile"]["corun_passes"]
+    assert spread["points"] == len(co) and spread["passes"] == 2
+    assert spread["spread_mean"] == pytest.approx(0.04 / 1.02) and spread["pass_sd"] == pytest.approx(0.04 / 2**0.5 / 1.02)
+    assert [c for fam in model["families"].values() for c in fam["coef"]] == \
+        [c for fam in plain["families"].values() for c in fam["coef"]]
 
 
 def test_held_out_points_are_not_fitted_on(real):

@@ -3,7 +3,10 @@ profile that can be resumed."""
 
 import csv
 import json
+from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -12,11 +15,23 @@ from typer.testing import CliRunner
 
 from bullet.cli import app
 from bullet.config import GPUS, MODELS, gpu_short_name
-from bullet.gpu.profile import COLUMNS, grid, read_gaps, read_points, sampled_mixed
+from bullet.gpu.profile import (
+    COLUMNS,
+    PASSES_FILE,
+    grid,
+    read_gaps,
+    read_passes,
+    read_points,
+    sampled_mixed,
+    twin,
+)
+
+SHIPPED = Path(__file__).resolve().parents[1] / "profiles/h200/llama-3.1-8b"
+KV_H200 = 700_000  # KV tokens of the executor that measured the shipped profile (its grid's ids, exactly)
 
 
-def run(out):
-    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out)])
+def run(out, *flags):
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out), *flags])
     assert res.exit_code == 0, res.output
     return res.output
 
@@ -86,17 +101,18 @@ def test_profile_without_cuda_says_so(tmp_path):
     assert res.exit_code == 2 and "no CUDA device" in res.output
 
 
-@pytest.mark.parametrize("quick", [True, False])
-def test_every_gpu_grid_point_is_a_legal_launch(quick):
+@pytest.mark.parametrize("quick, opts", [(True, {}), (False, {}),
+                                         (True, {"sizes": "all", "twins": True, "corun_min": 4})])
+def test_every_gpu_grid_point_is_a_legal_launch(quick, opts):
     """The H200 grids (quick and full, random launches and co-runs included): each point's partition is on the
     nested menu (prefill sizes on the prefill lane, decode sizes on the decode lane, the whole GPU on 'all'),
     a co-run pair leaves the two lanes disjoint (p + d <= 132), every chunk fits the model's positions and every
     layer slice its layers, and the random points are the same on every call (seeded)."""
     gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
     menu = {"prefill": set(gpu.prefill_sizes), "decode": set(gpu.decode_sizes), "all": {gpu.num_sms}}
-    pts = grid(spec, (gpu.prefill_sizes, gpu.decode_sizes), quick, kv_tokens=800_000)
+    pts = grid(spec, (gpu.prefill_sizes, gpu.decode_sizes), quick, kv_tokens=800_000, **opts)
     assert [p.id for p in pts] == [p.id for p in grid(spec, (gpu.prefill_sizes, gpu.decode_sizes), quick,
-                                                        kv_tokens=800_000)]
+                                                        kv_tokens=800_000, **opts)]
     assert len({p.id for p in pts}) == len(pts)
     for p in pts:
         assert p.sms in menu[p.lane], p.id
@@ -158,3 +174,101 @@ def test_co_run_coverage_by_hand():
     # step [0, 1]: 0.05 covered; [1, 2]: all; [2, 3]: 0.9 + 0.05 = 0.95; [3, 4]: 0.5 -> the middle two count
     assert steps == pytest.approx([1.0, 1.0]) and cover == pytest.approx([1.0, 0.95])
     assert _covered([res], prefills, at_least=0.96)[0] == pytest.approx([1.0])
+
+
+def test_the_quick_grid_with_every_size_twins_and_more_co_runs():
+    """The quick grid with --sizes all --twins --corun-min 4 on the H200: solo points on every menu size of both
+    lanes, the shipped profile's 426 points among its points (same ids: resuming measures only the new ones),
+    each co-run shape also alone on its partition before the co-runs, and 4 co-run pairs at least on every
+    decode size the co-runs use, each pair seen from both sides."""
+    gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
+    menu = (gpu.prefill_sizes, gpu.decode_sizes)
+    shipped = {r["id"] for r in read_points(SHIPPED / "points.csv")}
+    assert {p.id for p in grid(spec, menu, True, kv_tokens=KV_H200)} == shipped
+    assert [p.id for p in grid(spec, menu, True, kv_tokens=KV_H200, sizes="alternate")] == \
+        [p.id for p in grid(spec, menu, True, kv_tokens=KV_H200)]
+    pts = grid(spec, menu, True, kv_tokens=KV_H200, sizes="all", twins=True, corun_min=4)
+    ids = [p.id for p in pts]
+    assert shipped < set(ids)
+    for lane, sizes in (("prefill", gpu.prefill_sizes[:-1]), ("decode", gpu.decode_sizes[:-1])):
+        assert {p.sms for p in pts if p.lane == lane and p.co is None} == set(sizes), lane
+    # each line of the quick grid (a shape on all 7 alternate sizes of its lane) is on all 14 sizes now
+    def lines(points):
+        return Counter((p.shape.key(), p.lane) for p in points if p.co is None and p.lane != "all")
+
+    old = lines(grid(spec, menu, True, kv_tokens=KV_H200))
+    new = lines(pts)
+    assert sum(n == 7 for n in old.values()) == 15 + 20  # prefill lines, decode lines (the KV fits)
+    assert all(new[k] == 14 for k, n in old.items() if n == 7)
+    co = [p for p in pts if p.co is not None]
+    first_co = min(ids.index(p.id) for p in co)
+    for p in co:
+        assert twin(p).id in ids and ids.index(twin(p).id) < first_co, p.id
+        assert (twin(p).shape, twin(p).lane, twin(p).sms, twin(p).co) == (p.shape, p.lane, p.sms, None)
+    pairs = Counter(p.co_sms for p in co if p.lane == "prefill")
+    used = {p.co_sms for p in grid(spec, menu, True, kv_tokens=KV_H200) if p.co is not None and p.lane == "prefill"}
+    assert set(pairs) == used and min(pairs.values()) >= 4
+    assert Counter(p.sms for p in co if p.lane == "decode") == pairs  # each pair from both sides
+    assert len(co) == 74 + 2 * sum(max(0, 4 - n) for n in Counter(
+        p.co_sms for p in grid(spec, menu, True, kv_tokens=KV_H200) if p.co is not None and p.lane == "prefill"
+    ).values())
+
+
+def test_co_runs_in_passes_are_the_median_of_their_passes_and_resume(tmp_path):
+    """--corun-passes 2 (and --twins) on the CPU: the solo points, then two passes over the co-run points; every
+    pass's row in corun_passes.csv, points.csv's co-run rows their median, the pass count and grid options in the
+    metadata; a rerun (without the flags: the profile keeps them) measures nothing; a torn pass is measured again,
+    and only it."""
+    out = tmp_path / "prof"
+    assert "measured 13 points (0 already there)" in run(out, "--corun-passes", "2", "--twins")
+    rows = {r["id"]: r for r in read_points(out / "points.csv")}
+    passes = read_passes(out / PASSES_FILE)
+    co = [pid for pid, r in rows.items() if r["co_kind"]]
+    assert len(rows) == 11 and len(co) == 2 and set(passes) == set(co)
+    for pid in co:
+        assert [p["pass"] for p in passes[pid]] == ["1", "2"]
+        for col in ("gpu_s", "first_s", "step_s", "host_s"):
+            a, b = (float(p[col]) for p in passes[pid])
+            assert float(rows[pid][col]) == pytest.approx((a + b) / 2, rel=1e-8), (pid, col)
+        assert float(rows[pid]["gpu_s_min"]) == min(float(p["gpu_s_min"]) for p in passes[pid])
+        assert float(rows[pid]["gpu_s_max"]) == max(float(p["gpu_s_max"]) for p in passes[pid])
+        assert int(rows[pid]["reps"]) == sum(int(p["reps"]) for p in passes[pid])
+        assert twin_of(pid) in rows  # measured alone too
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["corun_passes"] == 2 and meta["grid_options"] == {"sizes": None, "twins": True, "corun_min": 0}
+    assert meta["points"] == 11
+    before = (out / "points.csv").read_text()
+    assert "measured 0 points (11 already there)" in run(out)
+    assert (out / "points.csv").read_text() == before
+    lines = (out / PASSES_FILE).read_text().splitlines(keepends=True)
+    (out / PASSES_FILE).write_text("".join(lines[:-1]) + lines[-1][:30])
+    assert "measured 1 points (10 already there)" in run(out)
+    assert [len(v) for v in read_passes(out / PASSES_FILE).values()] == [2, 2]
+    # a third pass asked for: one more run of each co-run point, and the median of three
+    assert "measured 2 points (9 already there)" in run(out, "--corun-passes", "3")
+    rows = {r["id"]: r for r in read_points(out / "points.csv")}
+    for pid, ps in read_passes(out / PASSES_FILE).items():
+        assert [p["pass"] for p in ps] == ["1", "2", "3"]
+        assert float(rows[pid]["gpu_s"]) == pytest.approx(float(np.median([float(p["gpu_s"]) for p in ps])), rel=1e-8)
+    assert json.loads((out / "metadata.json").read_text())["corun_passes"] == 3
+
+
+def twin_of(pid: str) -> str:
+    return pid.split(" || ")[0]
+
+
+def test_a_one_pass_profile_resumed_in_passes_keeps_its_rows_as_the_first(tmp_path):
+    """A profile measured in one pass, resumed with --corun-passes 2: its co-run rows become pass 1 as they are,
+    one more pass is measured for each co-run point and nothing else, and the points stay where they were."""
+    out = tmp_path / "prof"
+    run(out)
+    first = read_points(out / "points.csv")
+    co = {r["id"]: r for r in first if r["co_kind"]}
+    assert f"measured {len(co)} points ({len(first) - len(co)} already there)" in run(out, "--corun-passes", "2")
+    passes = read_passes(out / PASSES_FILE)
+    assert set(passes) == set(co)
+    for pid, r in co.items():
+        assert {k: passes[pid][0][k] for k in COLUMNS} == r and passes[pid][0]["pass"] == "1"
+    after = read_points(out / "points.csv")
+    assert [r["id"] for r in after] == [r["id"] for r in first]
+    assert [r for r in after if not r["co_kind"]] == [r for r in first if not r["co_kind"]]

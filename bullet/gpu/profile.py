@@ -33,9 +33,11 @@ import os
 import platform
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -46,6 +48,7 @@ from ..perfmodel import work_of
 from .partitions import PartitionMenu
 
 PROFILE_VERSION = 1
+Sizes = Literal["alternate", "all"]  # which menu sizes the solo lines cover (``grid``)
 # How co-run points are measured (metadata.json): both lanes relaunched without a pause, ``sustain_s`` seconds
 # before the timed prefills. Points of another protocol are not mixed in one profile (``--redo-coruns``).
 CORUN_PROTOCOL = {"name": "continuous", "sustain_s": 2.0}
@@ -109,11 +112,16 @@ def _runs(ctx: tuple[int, ...]) -> str:
 # ---------------------------------------------------------------------------------------------- the grid
 
 def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick: bool, cpu: bool = False,
-         kv_tokens: int | None = None) -> list[Point]:
+         kv_tokens: int | None = None, sizes: Sizes | None = None, twins: bool = False,
+         corun_min: int = 0) -> list[Point]:
     """Points to measure on a menu of ``menu_sizes`` (prefill sizes, decode sizes; each ending with the whole GPU).
-    The full grid covers every partition size of the menu on both lanes; ``quick`` every other one. Solo
-    points come first (co-runs size their decode stretch from them). Decode batches whose KV would not fit
-    ``kv_tokens`` are left out."""
+    The full grid covers every partition size of the menu on both lanes; ``quick`` every other one. ``sizes``
+    overrides which sizes the solo lines cover (``"all"``: every menu size, with the quick grid's lengths);
+    everything else (co-run splits, random launches) stays the grid's own, so a grid with more sizes holds the
+    other's points, ids unchanged. ``twins``: each co-run shape also measured alone on its own partition.
+    ``corun_min``: seeded co-run pairs added on each decode size the co-runs use until it has that many
+    (:func:`fill_coruns`). Solo points come first (co-runs size their decode stretch from them). Decode
+    batches whose KV would not fit ``kv_tokens`` are left out."""
     num_sms = menu_sizes[0][-1]
     if cpu:  # the tiny model on the host: the code paths, not the numbers
         pre_sizes, dec_sizes, new, prefixes, batches, ctxs = [num_sms], [num_sms], [16, 64], [0, 32], [1, 4], [32]
@@ -130,9 +138,14 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
         co_pre = [min(pre_sizes, key=lambda p, t=t: abs(p - t)) for t in (64, 96)] if quick else pre_sizes[::2]
         co_pairs = [(p, num_sms - p) for p in co_pre]
         co_new, co_batches, co_ctx = [2048, 8192], [32, 128], 2048
+    if sizes is not None and not cpu:  # the solo lines' sizes
+        solo_pre, solo_dec = (list(menu_sizes[0][:-1]), list(menu_sizes[1][:-1])) if sizes == "all" else \
+            (list(menu_sizes[0][:-1:2]), list(menu_sizes[1][:-1:2]))
+    else:
+        solo_pre, solo_dec = pre_sizes, dec_sizes
     pts: list[Point] = []
-    for lane, sizes in (("all", [num_sms]), ("prefill", pre_sizes if not cpu else [])):
-        for sms in sizes:
+    for lane, lane_sizes in (("all", [num_sms]), ("prefill", solo_pre if not cpu else [])):
+        for sms in lane_sizes:
             for n in new:
                 for p in prefixes:
                     if n + p <= spec.max_position:
@@ -152,8 +165,8 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
         for n, p in ((512, 1536), (2048, 2048), (2048, 6144)):
             pts.append(Point(Shape(((n, p),)), "all", num_sms))
     steps = 4 if cpu else 8
-    for lane, sizes in (("all", [num_sms]), ("decode", dec_sizes if not cpu else [])):
-        for sms in sizes:
+    for lane, lane_sizes in (("all", [num_sms]), ("decode", solo_dec if not cpu else [])):
+        for sms in lane_sizes:
             for bs in batches:
                 shapes = [(c,) * bs for c in ctxs]
                 if bs >= 8:  # skewed: one long context among short ones
@@ -193,7 +206,43 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
             for bs in (1, 2, 4):
                 dec, pre = Shape(decode=(2048,) * bs, steps=steps), Shape(((n, 0),) * k)
                 pts += [Point(pre, "prefill", p, dec, num_sms - p), Point(dec, "decode", num_sms - p, pre, p)]
-    return list({pt.id: pt for pt in pts}.values())  # once each (the full grid meets some shapes twice)
+    if corun_min and not cpu:
+        pts += fill_coruns(spec, pts, menu_sizes[0][:-1], num_sms, corun_min, kv_tokens)
+    co = [pt for pt in pts if pt.co is not None]
+    solo = [pt for pt in pts if pt.co is None] + ([twin(pt) for pt in co] if twins else [])
+    return list({pt.id: pt for pt in solo + co}.values())  # once each (the full grid meets some shapes twice)
+
+
+def twin(pt: Point) -> Point:
+    """A co-run point's shape alone on its own partition (its stand-alone time, measured)."""
+    return Point(pt.shape, pt.lane, pt.sms)
+
+
+FILL_KV_TOKENS = 500_000  # (Llama-3.1-8B on an H200 at 0.85 of its memory: about 700,000)
+
+
+def fill_coruns(spec: ModelSpec, pts: Sequence[Point], pre_sizes: Sequence[int], num_sms: int, minimum: int,
+                kv_tokens: int | None) -> list[Point]:
+    """Seeded co-run pairs (:func:`sampled_coruns`, seed ``1000 + d``) on each decode size ``d`` that the
+    co-runs of ``pts`` use, until each has ``minimum`` pairs; each pair is measured from both sides, and the
+    prefill side sits on the largest prefill size beside ``d``, so the prefill sizes the co-runs use get as
+    many. The draws fit a KV pool of at most :data:`FILL_KV_TOKENS`, so that cards whose pools differ a little
+    (the free memory after start-up) draw the same points and resume each other's profiles."""
+    kv_tokens = min(kv_tokens or FILL_KV_TOKENS, FILL_KV_TOKENS)
+    have = Counter(pt.co_sms for pt in pts if pt.co is not None and pt.lane == "prefill")
+    ids, out = {pt.id for pt in pts}, []
+    for d in sorted(have):
+        need, draws = minimum - have[d], minimum
+        while need > 0:  # the draws of a seed are a prefix of a longer run of it: ask for more until enough
+            drawn = sampled_coruns(spec, pre_sizes, [d], num_sms, draws, kv_tokens, seed=1000 + d)
+            new = [pair for pair in zip(drawn[::2], drawn[1::2]) if pair[0].id not in ids]
+            if len(new) >= need:
+                for pair in new[:need]:
+                    out += pair
+                    ids.update(pt.id for pt in pair)
+                need = 0
+            draws *= 2
+    return out
 
 
 def sampled_coruns(spec: ModelSpec, pre_sizes: Sequence[int], dec_sizes: Sequence[int], num_sms: int, pairs: int,
@@ -599,15 +648,60 @@ def read_points(path: Path) -> list[dict]:
     return [r for r in rows if r.get("reps") not in (None, "")]
 
 
-def _append(path: Path, row: dict) -> None:
+def _append(path: Path, row: dict, fields: Sequence[str] = COLUMNS) -> None:
     new = not path.exists() or path.stat().st_size == 0
     with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=fields)
         if new:
             w.writeheader()
-        w.writerow({k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in row.items()})
+        w.writerow(_formatted(row))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_rows(path: Path, rows: Sequence[dict], fields: Sequence[str] = COLUMNS) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(_formatted(r) for r in rows)
+    os.replace(tmp, path)
+
+
+def _formatted(row: dict) -> dict:
+    return {k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in row.items()}
+
+
+# A co-run point measured in several passes (``run_profile(corun_passes=K)``): every pass's row, with its number.
+PASSES_FILE = "corun_passes.csv"
+PASS_COLUMNS = ("pass", *COLUMNS)
+_MEDIAN_COLUMNS = ("gpu_s", "first_s", "step_s", "host_s", "overlap")
+
+
+def read_passes(path: Path) -> dict[str, list[dict]]:
+    """A corun_passes.csv by point id, each point's passes in the order measured (a torn last line dropped)."""
+    out: dict[str, list[dict]] = {}
+    for r in read_points(path):
+        out.setdefault(r["id"], []).append(r)
+    return out
+
+
+def median_row(passes: Sequence[dict]) -> dict:
+    """A co-run point from its passes: the features of the first; of each time (and the overlap) the median over
+    the passes (the measured ones: a decode step no prefill covered is NaN); the fastest and slowest run; the
+    runs counted; the median stretch (``steps``; the same in every pass where the decode point was measured
+    solo first)."""
+    def values(col: str) -> np.ndarray:
+        return np.array([float(p[col]) for p in passes])
+
+    row = {k: passes[0][k] for k in COLUMNS}
+    for col in _MEDIAN_COLUMNS:
+        v = values(col)
+        v = v[~np.isnan(v)]
+        row[col] = float(np.median(v)) if len(v) else float("nan")
+    row.update(steps=int(np.median(values("steps"))), gpu_s_min=float(values("gpu_s_min").min()),
+               gpu_s_max=float(values("gpu_s_max").max()), reps=int(values("reps").sum()))
+    return row
 
 
 def metadata(executor, spec: ModelSpec, weights: str, quick: bool, reps: int, points: int) -> dict:
@@ -696,33 +790,43 @@ def _commit() -> str | None:
 
 def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
-                prefill_graphs: bool = True, redo_coruns: bool = False) -> tuple[int, int]:
-    """Measure every point of the grid not already in ``out/points.csv``; returns (measured, skipped).
-    ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches that a
-    prefill graph can serve replay one (captured before their first run), as in serving; the limits go into
-    the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time.
+                prefill_graphs: bool = True, redo_coruns: bool = False, sizes: Sizes | None = None,
+                twins: bool = False, corun_min: int = 0, corun_passes: int | None = None) -> tuple[int, int]:
+    """Measure every point of the grid not already in ``out/points.csv``; returns (measurements, points
+    skipped). ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches
+    that a prefill graph can serve replay one (captured before their first run), as in serving; the limits go
+    into the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time.
     ``redo_coruns``: measure every co-run point again (their rows are replaced), e.g. after a change of
-    :data:`CORUN_PROTOCOL`; a profile whose co-run points were measured otherwise is not resumed without it."""
+    :data:`CORUN_PROTOCOL`; a profile whose co-run points were measured otherwise is not resumed without it.
+    ``sizes``, ``twins``, ``corun_min``: the grid's options (:func:`grid`); a resumed profile keeps those it was
+    measured with (metadata.json's ``grid_options``) and adds these.
+
+    ``corun_passes`` K > 1: the solo points first, then K passes over all co-run points (a point's passes spread
+    over the run, not back to back); every pass's row goes to ``corun_passes.csv`` as it is measured, and once a
+    point has K passes its row in points.csv is the :func:`median_row` of all its passes. A co-run row of a
+    profile measured in one pass counts as its first pass (``redo_coruns`` measures all K afresh). A rerun
+    measures only the passes still missing; None: the profile's own K (metadata.json's ``corun_passes``, 1
+    where it has none), so a smaller K given to an interrupted profile ends it with the passes it has."""
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
     menu = executor.menu or PartitionMenu.fallback()
+    old_meta = _old_meta(out) or {}  # read once: the metadata is rewritten below, before the points
+    passes_path = out / PASSES_FILE
+    if redo_coruns and passes_path.exists():
+        passes_path.unlink()
+    opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min)
+    passes = corun_passes or int(old_meta.get("corun_passes", 1))
     pts = grid(spec, (tuple(menu.prefill), tuple(menu.decode)), quick, cpu,
-               executor.kv.num_blocks * executor.kv.block_size)
+               executor.kv.num_blocks * executor.kv.block_size, **opts)
     path = out / "points.csv"
     have = {r["id"]: r for r in read_points(path)}
     if redo_coruns:
         have = {k: r for k, r in have.items() if not r["co_kind"]}
     if path.exists():  # rewrite without a torn tail (or the points to redo) before appending
-        rows = list(have.values())
-        tmp = path.with_name(".points.csv.tmp")
-        with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, path)
-    old_meta = _old_meta(out) or {}  # read once: the metadata is rewritten below, before the points
+        _write_rows(path, list(have.values()))
     meta = metadata(executor, spec, weights, quick, reps, len(pts))
+    meta.update(grid_options=opts, corun_passes=passes)
     graphs = prefill_graphs and (executor.use_graphs or not executor.cuda)
     meta["prefill_graphs"] = executor.prefill_graph_limits if graphs else None
     meta["skinny_table"] = _skinny_meta(getattr(executor, "skinny_source", None))
@@ -731,22 +835,38 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             raise ValueError(f"{out}: its points were measured with {key}={old_meta.get(key)}, this run would use "
                              f"{meta[key]}: profile into a new folder")
     old_protocol = old_meta.get("corun_protocol", {"name": "single burst"})
-    if any(r["co_kind"] for r in have.values()) and old_protocol != meta["corun_protocol"]:
+    if (any(r["co_kind"] for r in have.values()) or passes_path.exists()) and \
+            old_protocol != meta["corun_protocol"]:
         raise ValueError(f"{out}: its co-run points were measured by the {old_protocol['name']!r} protocol, this "
                          f"run would use {meta['corun_protocol']}: add --redo-coruns to measure them again")
+    if "note" in old_meta:  # what a person recorded about the profile's history
+        meta["note"] = old_meta["note"]
     _write_json(out / "metadata.json", meta)
     prof = Profiler(executor, reps, graphs, CORUN_PROTOCOL["sustain_s"])
     for pid, row in have.items():  # co-runs size their stretches from earlier solo points
         prof.solo[pid] = float(row["gpu_s"])
+    co_pts = [pt for pt in pts if pt.co is not None] if passes > 1 else []
+    total, done = len(pts) + (passes - 1) * len(co_pts), 0
+
+    def report(pid: str) -> None:
+        nonlocal done
+        done += 1
+        if on_point is not None:
+            on_point(done, total, pid)
+
     measured = skipped = 0
-    for i, pt in enumerate(pts):
+    for pt in pts:
+        if co_pts and pt.co is not None:
+            continue
         if pt.id in have:
             skipped += 1
         else:
             _append(path, prof.measure(pt))
             measured += 1
-        if on_point is not None:
-            on_point(i + 1, len(pts), pt.id)
+        report(pt.id)
+    if co_pts:
+        runs, complete = _measure_passes(prof, out, co_pts, have, passes, report)
+        measured, skipped = measured + runs, skipped + complete
     gaps = out / "gaps.csv"
     if not gaps.exists():  # measured once, like the points (delete the file to measure again)
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
@@ -757,6 +877,46 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped
+
+
+def _measure_passes(prof: Profiler, out: Path, pts: Sequence[Point], have: dict[str, dict], passes: int,
+                    report: Callable[[str], None]) -> tuple[int, int]:
+    """``passes`` passes over the co-run points ``pts`` (each pass measures every point still short of it), each
+    row appended to corun_passes.csv; then each point's row in points.csv becomes the median of its passes.
+    Returns (runs measured, points that needed none)."""
+    path = out / PASSES_FILE
+    done = read_passes(path)
+    if path.exists():  # rewrite without a torn tail before appending
+        _write_rows(path, read_points(path), PASS_COLUMNS)
+    for pt in pts:  # a co-run row measured in one pass (no record of passes) is the point's first pass
+        if pt.id in have and pt.id not in done:
+            _append(path, {"pass": 1, **{k: have[pt.id][k] for k in COLUMNS}}, PASS_COLUMNS)
+            done[pt.id] = [have[pt.id]]
+    complete = sum(len(done.get(pt.id, [])) >= passes for pt in pts)
+    runs = 0
+    for k in range(1, passes + 1):
+        for pt in pts:
+            if len(done.setdefault(pt.id, [])) < k:
+                row = prof.measure(pt)
+                _append(path, {"pass": len(done[pt.id]) + 1, **row}, PASS_COLUMNS)
+                done[pt.id].append(row)
+                runs += 1
+            report(pt.id)
+    medians = {pid: median_row(rows) for pid, rows in read_passes(path).items()
+               if pid in {pt.id for pt in pts} and len(rows) >= passes}
+    points = out / "points.csv"
+    rows = [medians.pop(r["id"], r) for r in read_points(points)]
+    _write_rows(points, rows + list(medians.values()))  # in place where a row was, else appended
+    return runs, complete
+
+
+def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int) -> dict:
+    """This run's grid options joined with those a resumed profile was measured with (points are never
+    dropped: the grid only grows)."""
+    if old.get("sizes") == "all":
+        sizes = "all"
+    return {"sizes": sizes or old.get("sizes"), "twins": twins or bool(old.get("twins")),
+            "corun_min": max(corun_min, int(old.get("corun_min", 0)))}
 
 
 def _skinny_meta(path: str | None) -> dict | None:

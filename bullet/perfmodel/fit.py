@@ -5,8 +5,10 @@ Each family of ``fitted.py`` is a non-negative least-squares fit (scikit-learn `
 True)``, weighted by 1 / target^2 so that it minimises relative error) of the measured times on the terms
 listed in :data:`TERMS`. The contention families are fitted second, on the measured co-run time over the
 stand-alone prediction (``co_eager`` weighted by 1 / (that ratio)^2: relative error of the co-run time).
-Held-out error: a seeded random 20 % of the points, and leave-one-partition-size-out (every point measured on
-that SM count held out, the rest fitted), as MAPE mean and p95 per family and for whole launches. scikit-learn is imported here only; prediction never needs it.
+Held-out error: a seeded random 20 % of the points, leave-one-partition-size-out (loso: every point measured on
+that SM count held out, the rest fitted), and interior loso (the same, never holding out a lane's smallest or
+largest size), as MAPE mean and p95 per family and for whole launches; the thresholds apply to the random and
+the interior split. scikit-learn is imported here only; prediction never needs it.
 """
 
 from __future__ import annotations
@@ -483,38 +485,66 @@ def _stats(errs: list[float]) -> dict:
     return {"n": len(errs), "mean": float(a.mean()), "p95": float(np.percentile(a, 95))}
 
 
-def evaluate(prof: Profile, seed: int = 0, terms: dict | None = None,
-             on_fold: Callable[[str], None] | None = None) -> dict:
-    """Held-out absolute relative errors per family: a seeded random 20 % split, and leave-one-partition-size-
-    out: each SM count below the whole GPU held out in turn (the whole GPU is an ordinary stream, not a
-    green-context partition, and every profile measures it: it stays in training)."""
+SPLITS = ("random", "loso", "interior")
+GATE_SPLITS = ("random", "interior")  # the splits the thresholds apply to (loso is shown, not gated)
+
+
+def end_sizes(rows: list[dict]) -> dict[str, set[int]]:
+    """Per lane (prefill, decode), the smallest and largest SM count measured on it: the menu's end sizes."""
+    by_lane: dict[str, set[int]] = {}
+    for r in rows:
+        if r["lane"] != "all":
+            by_lane.setdefault(r["lane"], set()).add(r["sms"])
+    return {lane: {min(s), max(s)} for lane, s in by_lane.items()}
+
+
+def folds(prof: Profile, seed: int = 0) -> list[tuple[str, str, list[bool]]]:
+    """(name, split, held out) of each fold: a seeded random 20 %; each SM count below the whole GPU held out
+    in turn (loso; the whole GPU is an ordinary stream, not a green-context partition, and every profile
+    measures it: it stays in training); and interior loso, the same but never holding out a lane's end sizes
+    (:func:`end_sizes`): held out, the smallest size tests extrapolation below anything measured, which
+    service never meets where every menu size is profiled."""
     rows = prof.rows
     rng = np.random.default_rng(seed)
     test_idx = set(rng.permutation(len(rows))[: max(1, round(0.2 * len(rows)))].tolist())
-    folds = [("random 20 %", [i in test_idx for i in range(len(rows))])]
+    out = [("random 20 %", "random", [i in test_idx for i in range(len(rows))])]
+    ends = end_sizes(rows)
     for s in sorted({r["sms"] for r in rows} - {prof.num_sms}):  # the whole GPU is no partition size
-        folds.append((f"{s} SMs", [r["sms"] == s for r in rows]))
-    errs: dict[str, dict[str, list[float]]] = {"random": {}, "loso": {}}
-    for name, held in folds:
-        if on_fold is not None:
-            on_fold(name)
-        train = [r for r, h in zip(rows, held) if not h]
-        fm = FittedModel(fit_model(prof, train, terms), host=True)
-        split = "random" if name.startswith("random") else "loso"
+        out.append((f"{s} SMs", "loso", [r["sms"] == s for r in rows]))
+        inner = [r["sms"] == s and s not in ends.get(r["lane"], ()) for r in rows]
+        if any(inner):
+            out.append((f"{s} SMs (interior)", "interior", inner))
+    return out
+
+
+def evaluate(prof: Profile, seed: int = 0, terms: dict | None = None,
+             on_fold: Callable[[str], None] | None = None) -> dict:
+    """Held-out absolute relative errors per family and split (:func:`folds`); a fold that holds out the same
+    points as another is fitted once."""
+    rows = prof.rows
+    errs: dict[str, dict[str, list[float]]] = {split: {} for split in SPLITS}
+    fitted: dict[tuple[bool, ...], FittedModel] = {}
+    for name, split, held in folds(prof, seed):
+        key = tuple(held)
+        if key not in fitted:
+            if on_fold is not None:
+                on_fold(name)
+            fitted[key] = FittedModel(fit_model(prof, [r for r, h in zip(rows, held) if not h], terms), host=True)
         for r, h in zip(rows, held):
             if h:
-                for fam, (p, m) in predictions(fm, r).items():
+                for fam, (p, m) in predictions(fitted[key], r).items():
                     errs[split].setdefault(fam, []).append(abs(p / m - 1.0))
-    table = {fam: {split: _stats(errs[split].get(fam, [])) for split in ("random", "loso")}
-             for fam in FAMILY_ORDER if any(fam in errs[s] for s in errs)}
-    return table
+    return {fam: {split: _stats(errs[split].get(fam, [])) for split in SPLITS}
+            for fam in FAMILY_ORDER if any(fam in errs[s] for s in errs)}
 
 
 def failures(table: dict) -> list[str]:
-    """What is over the thresholds (empty: the model may be written)."""
+    """What is over the thresholds on the gated splits (:data:`GATE_SPLITS`; empty: the model may be
+    written)."""
     out = []
     for fam, splits in table.items():
-        for split, s in splits.items():
+        for split in GATE_SPLITS:
+            s = splits.get(split, {"n": 0})
             if s["n"] == 0:
                 continue
             if fam == "launch":
@@ -555,6 +585,34 @@ def fit_host_gap(rows: list[dict]) -> dict | None:
             "gap_s": [float(x) for x in g], "loo_error_pct": loo, "source": "gaps.csv"}
 
 
+def pass_spread(path: Path) -> dict | None:
+    """How far a profile's co-run points moved between passes (``corun_passes.csv`` from ``bullet profile
+    --corun-passes``; None without one): of each point with two passes or more, (max - min) / median of its
+    time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass."""
+    if not path.exists():
+        return None
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    by: dict[str, list[float]] = {}
+    for line, r in enumerate(rows, 2):
+        if r.get("reps") in (None, ""):  # a torn last line
+            continue
+        col = "step_s" if r.get("kind") == "decode" else "gpu_s"
+        try:
+            v = float(r.get(col) or "")
+        except ValueError:
+            raise ConfigError(f"{path}: line {line}, field {col!r}: not a number: {r.get(col)!r}") from None
+        if math.isfinite(v) and v > 0:
+            by.setdefault(str(r.get("id")), []).append(v)
+    multi = [np.asarray(v) for v in by.values() if len(v) >= 2]
+    if not multi:
+        return None
+    spread = [(v.max() - v.min()) / np.median(v) for v in multi]
+    var = [np.var(v, ddof=1) / v.mean() ** 2 for v in multi]
+    return {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
+            "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
+
+
 def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
     """Load, evaluate held out, fit on every point; returns the model dict with its errors."""
     prof = load_profile(folder)
@@ -572,10 +630,13 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
     model["profile"] = {"folder": str(folder), "points": len(prof.rows), "points_sha256": prof.sha256,
                         "metadata": prof.meta}
     model["errors"] = {"seed": seed, "held_out": table, "in_sample": in_sample(prof, model),
-                       "thresholds": THRESHOLDS, "gated": list(GATED), "failures": failures(table)}
+                       "thresholds": THRESHOLDS, "gated": list(GATED), "gated_splits": list(GATE_SPLITS),
+                       "failures": failures(table)}
     gap = fit_host_gap(gaps)
     if gap is not None:
         model["host_gap"] = gap
+    if (spread := pass_spread(prof.folder / "corun_passes.csv")) is not None:
+        model["profile"]["corun_passes"] = spread
     return model
 
 
