@@ -38,11 +38,14 @@ class Ahead:
 
 
 class Scheduler:
+    # Each class names its attributes in __slots__: a slot is read and written at a fixed offset, a dict-backed
+    # attribute by a keyed lookup (and past 30 attributes CPython 3.11 drops the shared-key dict, bench/RESULTS.md,
+    # ninth pass; bullet has 59). ``__dict__`` stays for anything else set on an instance (a test's patched method).
+    __slots__ = ("__dict__", "_hit_memo", "_new_hits", "_next_rank", "_step_s", "ahead", "all_layers", "busy", "cfg",
+                 "eos_token_id", "gaps", "gpu", "hit_tokens", "inflight", "keyed", "kv", "latency", "model",
+                 "num_preemptions", "partial", "query_tokens", "rank", "rejected", "running", "slo", "waiting",
+                 "whole_gpu")
     lanes: tuple[Lane, ...] = ("all",)
-    # async scheduling's state, set on the instance by plan_ahead (None here: synchronous). A class default, not an
-    # instance attribute: at 30 instance attributes CPython 3.11 drops an object's shared-key dict, which cost
-    # static-split's simulation 1 % (bench/RESULTS.md, ninth pass; StaticSplit has 29)
-    ahead: Ahead | None = None
     # A fused decode stretch with no co-runner runs past a request's last token (its row computed, its later tokens
     # dropped, as after an end-of-sequence token) instead of ending there, while nobody waits and a seat is free (a
     # completion then frees nothing anyone can take before the stretch's horizon): bullet's (bench/RESULTS.md).
@@ -80,6 +83,7 @@ class Scheduler:
         self.gaps: TokenGaps | None = None
         self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
         self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
+        self.ahead: Ahead | None = None  # async scheduling's state (plan_ahead); None: synchronous
 
     def keep_token_times(self, keep: bool) -> None:
         """Record each output token's time on its request (the default; streaming needs it), or, with
@@ -699,6 +703,8 @@ class Scheduler:
 class LayerSliced(Scheduler):
     """A policy whose prefill lane runs one job (chunks, their requests, the next layer) a layer slice per
     launch: the job advances as slices come back and ends with the slice that reaches the last layer."""
+
+    __slots__ = ("job",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -11,6 +11,7 @@ from .base import LayerSliced
 
 
 class StaticSplit(LayerSliced):
+    __slots__ = ("decode_part", "prefill_part", "prefill_until")
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill is planned first: decode sizes to it
 
     def __init__(self, *args, **kwargs) -> None:
