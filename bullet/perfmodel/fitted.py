@@ -505,6 +505,12 @@ class FittedModel:
     ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
     host time of eager launches out (see the module docstring)."""
 
+    # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
+    __slots__ = ("_co_gemm", "_co_terms", "_demand", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host",
+                 "_own", "_own_fl", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only", "data", "f",
+                 "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q", "scale",
+                 "serving_gap", "source", "spec")
+
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..batch import _SAMPLE, Batch, Chunk, Lane, Partition, StepResult
+from ..batch import Batch, Chunk, DecodeChunks, Lane, Partition, StepResult, all_sample
 from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..metrics import TokenGaps
@@ -395,9 +395,11 @@ class Scheduler:
         reqs = self._one_step(reqs)
         if not reqs:
             return None
-        # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each
+        # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each (the
+        # chunks made only if an executor reads them)
         starts = [r.num_computed for r in reqs]
-        chunks = self._decode_chunks(reqs, starts)
+        tables = self.kv.tables
+        chunks = DecodeChunks(reqs, starts, [tables[r.id] for r in reqs])
         n = len(starts)
         kv_end = sum(starts) + n
         work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
@@ -430,11 +432,11 @@ class Scheduler:
             pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
                                for c in chunks]))
         work = new_work(Work, (self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends)))  # == work_of()
-        return self._stretch(lane, partition, chunks, reqs, work, ends, 0, now, horizon, co, co_sms)
+        return self._stretch(lane, partition, tuple(chunks), reqs, work, ends, 0, now, horizon, co, co_sms)
 
-    def _stretch(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], work: Work,
-                 ends: list[int], off: int, now: float, horizon: float | None, co: Work | None,
-                 co_sms: int) -> Batch:
+    def _stretch(self, lane: Lane, partition: Partition, chunks: tuple[Chunk, ...] | DecodeChunks,
+                 reqs: list[Request], work: Work, ends: list[int], off: int, now: float, horizon: float | None,
+                 co: Work | None, co_sms: int) -> Batch:
         """:meth:`_fused` once ``work`` (``work_of`` the first step) is known; ``ends[i] + off`` is request i's
         KV after the first step."""
         kv, bs = self.kv, self.kv.block_size
@@ -459,7 +461,7 @@ class Scheduler:
                 kv.grow(grow)
         else:
             extra = 0
-        batch = Batch(partition, self.all_layers, tuple(chunks), extra + 1)
+        batch = Batch(partition, self.all_layers, chunks, extra + 1)
         note_work(self.latency, batch, self.model.num_layers, work)  # the simulator needs it too
         return self._launch(lane, batch, reqs)
 
@@ -597,7 +599,7 @@ class Scheduler:
         lasts: list[float] = []  # previous-token times: each one's gap to this launch's first step
         done: list[Request] = []
         rode: list[int] = []  # steps of the requests that rode past their last token (ride_past_end)
-        sampling = reqs if steps > 1 or all(map(_SAMPLE, batch.chunks)) else self._partial_chunks(batch, reqs)
+        sampling = reqs if steps > 1 or all_sample(batch.chunks) else self._partial_chunks(batch, reqs)
         for r in sampling:
             # a sampling chunk ends at its request's last known token (a Chunk field read costs a generic
             # attribute lookup in 3.11, three per request per launch here)
