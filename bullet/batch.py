@@ -105,7 +105,7 @@ class Batch:
                  cached_tokens: int = 0) -> None:
         # A launch is made on every scheduling decision: the fields are set through their slots (a frozen
         # dataclass's generated __init__ goes through object.__setattr__ per field, ~2.5x the cost)
-        if steps > 1 and not all_sample(chunks):
+        if steps > 1 and type(chunks) is not DecodeChunks and not all(map(_SAMPLE, chunks)):  # (all_sample inline)
             raise ValueError("a fused multi-step batch needs every chunk to sample")
         _SET_PARTITION(self, partition)
         _SET_LAYERS(self, layers)

@@ -506,10 +506,10 @@ class FittedModel:
     host time of eager launches out (see the module docstring)."""
 
     # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
-    __slots__ = ("_co_gemm", "_co_terms", "_demand", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host",
-                 "_own", "_own_fl", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only", "data", "f",
-                 "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q", "scale",
-                 "serving_gap", "source", "spec")
+    __slots__ = ("_co_terms", "_demand", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host", "_own", "_own_fl",
+                 "_own_last", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only", "data", "f", "gpu_name",
+                 "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q", "scale", "serving_gap",
+                 "source", "spec")
 
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
@@ -541,7 +541,7 @@ class FittedModel:
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
-        self._demand: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its HBM demand, TB/s
+        self._demand: dict[tuple, tuple[float, float]] = {}  # (co-runner, its SMs) -> HBM demand TB/s, GEMM share
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
@@ -549,7 +549,6 @@ class FittedModel:
         used = {q for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef) if c}
         self._own = "own_bw_co_bw" in used  # (older models: no such term, no division to make)
         self._own_fl = "own_flops_co_sm" in used  # (version 5)
-        self._co_gemm: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its stand-alone GEMM share (co_gemm_co_sm)
         # families whose fitted terms read only the SM counts, not the co-runner's HBM demand (the shipped H200
         # fit's co_decode: its co_bw terms fitted to 0): their slowdown is memoised by SM counts alone, and the
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
@@ -568,6 +567,7 @@ class FittedModel:
         self._eager_terms = ([[(EAGER_KEYS.index(q), tab[n]) for q, tab in zip(eager.quantities, eager.lists)]
                               for n in range(self.num_sms + 1)] if set(eager.quantities) <= set(EAGER_KEYS) else None)
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
+        self._own_last: tuple[Work, float, float, float] | None = None  # eager_next_to's last (work, alone, own terms)
         self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
         self._share: dict[tuple, tuple[int, int]] = {}  # shared_sms by (SMs, co-runner's SMs, their tokens)
@@ -860,27 +860,25 @@ class FittedModel:
         return float(co.num_layers) * self.q.gemm_layer(self.q.bucket(co.seqs), co_sms)
 
     def _co_gemm_share(self, co: Work, co_sms: int) -> float:
-        """The share of a co-runner's stand-alone time in its GEMMs (:meth:`_gemm_seconds`), memoised as
-        :meth:`_co_demand` is."""
-        key = (co, co_sms)
-        g = self._co_gemm.get(key)
-        if g is None:
-            if len(self._co_gemm) >= 64:
-                self._co_gemm.clear()
-            s = self._gemm_seconds(co, co_sms)
-            g = self._co_gemm[key] = s / self.gpu_time(co, co_sms) if s else 0.0
-        return g
+        """The share of a co-runner's stand-alone time in its GEMMs (:meth:`_gemm_seconds`)."""
+        return self._co_of(co, co_sms)[1]
 
     def _co_demand(self, co: Work, co_sms: int) -> float:
-        """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s, memoised for the last few co-runners
-        (asked again within one or two calls when at all: bench/RESULTS.md, tenth speed pass)."""
+        """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s."""
+        return self._co_of(co, co_sms)[0]
+
+    def _co_of(self, co: Work, co_sms: int) -> tuple[float, float]:
+        """(:meth:`_co_demand`, :meth:`_co_gemm_share`), from one stand-alone time of the co-runner, memoised for
+        the last few co-runners (asked again within one or two calls when at all: bench/RESULTS.md, tenth speed
+        pass)."""
         key = (co, co_sms)
-        u = self._demand.get(key)
-        if u is None:
+        out = self._demand.get(key)
+        if out is None:
             if len(self._demand) >= 64:
                 self._demand.clear()
-            u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
-        return u
+            alone, s = self.gpu_time(co, co_sms), self._gemm_seconds(co, co_sms)
+            out = self._demand[key] = (self.q.bytes_of(co) / alone * 1e-12, s / alone if s else 0.0)
+        return out
 
     def _co_scalar(self, family: str, n: int, co: Work, co_sms, own: float, own_fl: float = 0.0) -> float:
         """``self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)``: the same features,
@@ -888,10 +886,10 @@ class FittedModel:
         terms = self._co_terms.get(family)
         if terms is None:
             return self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)
-        u, N = self._co_demand(co, co_sms), self.num_sms
+        (u, g), N = self._co_of(co, co_sms), self.num_sms
         m = co_sms / N
         x = (u, u * (n / N), m, own * u, (self._sm_bw_table or self._sm_bw())[n] * m, own_fl * m,
-             self._co_gemm_share(co, co_sms) * m if family in self._gemm_fams else 0.0)
+             g * m if family in self._gemm_fams else 0.0)
         s = 0.0
         for i, w in terms:
             s += x[i] * w
@@ -911,8 +909,14 @@ class FittedModel:
     def eager_next_to(self, work: Work, alone, n, co: Work, co_sms, arr: bool = False):
         """An eager launch's time on ``n`` SMs next to ``co`` on ``co_sms``, from its stand-alone time(s)
         ``alone`` (its own HBM demand is a contention term only where the model has one: older files do not)."""
-        own = self.own_bw(work, alone) if self._own else 0.0
-        own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
+        last = self._own_last  # (a prefill launch is re-timed next to each new decode co-runner: the same own terms)
+        if not arr and last is not None and last[0] is work and last[1] == alone:
+            own, own_fl = last[2], last[3]
+        else:
+            own = self.own_bw(work, alone) if self._own else 0.0
+            own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
+            if not arr:
+                self._own_last = (work, alone, own, own_fl)
         return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own, own_fl))
 
     def own_bw(self, work: Work, alone):

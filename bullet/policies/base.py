@@ -67,7 +67,7 @@ class Scheduler:
         self.whole_gpu = Partition("all", gpu.num_sms)
         self.waiting: deque[Request] = deque()  # arrived, holding no KV
         self.running: list[Request] = []  # admitted (hold KV), in admission order
-        self.inflight: dict[Lane, tuple[Batch, list[Request]]] = {}
+        self.inflight: dict[Lane, tuple[Batch, list[Request], list[int]]] = {}  # lane -> (batch, requests, ids)
         self.busy: set[int] = set()  # ids of requests inside a launched batch
         self.partial: dict[int, Request] = {}  # running, prompt (or recompute) not finished: next is a chunk
         self.rank: dict[int, int] = {}  # priority (admission order, lower first), fixed at first admission
@@ -118,8 +118,9 @@ class Scheduler:
         if self._new_hits:  # prefix-cache hits of the requests admitted into this launch
             batch = replace(batch, cached_tokens=self._new_hits)
             self._new_hits = 0
-        self.inflight[lane] = (batch, reqs)
-        self.busy.update([r.id for r in reqs])
+        ids = [r.id for r in reqs]
+        self.inflight[lane] = (batch, reqs, ids)
+        self.busy.update(ids)
         if self.ahead is not None:
             self._apply_planned(lane, batch, reqs)
         return batch
@@ -527,11 +528,11 @@ class Scheduler:
         """Apply a finished launch; returns the requests it finished."""
         if self.ahead is not None:
             return self._record(res)
-        batch, reqs = self.inflight.pop(res.batch.partition.lane)
+        batch, reqs, ids = self.inflight.pop(res.batch.partition.lane)
         if batch.layers.stop != self.model.num_layers:
             self._slice_done(batch, reqs)
             return []
-        self.busy.difference_update([r.id for r in reqs])
+        self.busy.difference_update(ids)
         if res.tokens is None and not (self.keyed and self.kv.prefix_caching):
             return self._counted(batch, reqs, res)
         steps = batch.steps

@@ -735,7 +735,7 @@ class Bullet(LayerSliced):
         if arrays is None:
             self._decode_slots = None
             return super().on_result(res)
-        batch, reqs = self.inflight[res.batch.partition.lane]
+        batch, reqs, _ = self.inflight[res.batch.partition.lane]
         done = super().on_result(res)
         if batch.layers.stop == self.model.num_layers:
             pending = self._decode_slots
