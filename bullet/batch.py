@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -38,6 +38,57 @@ class Chunk(NamedTuple):
 _SAMPLE = attrgetter("sample")  # (a C-level test per chunk: every fused launch checks its chunks)
 
 
+class DecodeChunks(Sequence[Chunk]):
+    """A decode launch's chunks, one decode step of each request: ``Chunk(r.id, start, 1, table, True, None,
+    r.sampling)`` for each request ``r`` of ``reqs`` with its ``starts`` and block ``tables`` (the live lists, as a
+    Chunk holds them), made when first read. The simulator reads only their number (the policy gives it the launch's
+    Work), and a Chunk apiece cost ~2,400 instructions: 6 % of a static-split simulation (bench/RESULTS.md,
+    fourteenth speed pass). Equal to, and hashed as, the tuple of those chunks; every chunk samples."""
+
+    __slots__ = ("_made", "_reqs", "_starts", "_tables")
+
+    def __init__(self, reqs: Sequence, starts: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+        self._reqs, self._starts, self._tables, self._made = reqs, starts, tables, None
+
+    def _tuple(self) -> tuple[Chunk, ...]:
+        if self._made is None:
+            new = tuple.__new__  # (as Scheduler._decode_chunks makes them)
+            self._made = tuple([new(Chunk, (r.id, s, 1, t, True, None, r.sampling))
+                                for r, s, t in zip(self._reqs, self._starts, self._tables)])
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other) -> bool:
+        return self._tuple() == (other._tuple() if type(other) is DecodeChunks else other)
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return f"DecodeChunks{self._tuple()!r}"
+
+
+def all_sample(chunks: Sequence[Chunk]) -> bool:
+    """Every chunk samples (a DecodeChunks' do, unread)."""
+    return type(chunks) is DecodeChunks or all(map(_SAMPLE, chunks))
+
+
+def chunk_tokens(chunks: Sequence[Chunk]) -> int:
+    """Tokens of ``chunks`` (a DecodeChunks' one each, unread)."""
+    return len(chunks) if type(chunks) is DecodeChunks else sum(map(_NUM_TOKENS, chunks))
+
+
+_NUM_TOKENS = itemgetter(2)  # Chunk.num_tokens
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Batch:
     """One launch on one lane. ``steps > 1`` fuses steps: the chunks as given, then ``steps - 1`` decode
@@ -46,7 +97,7 @@ class Batch:
 
     partition: Partition
     layers: range  # all layers, or a slice: layer-granular prefill
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[Chunk, ...] | DecodeChunks  # (DecodeChunks: a decode launch's, made when read)
     steps: int = 1  # sampling happens in the launch whose layer slice reaches the last layer
     cached_tokens: int = 0  # prompt tokens of requests first admitted into this launch that hit the prefix cache
 
@@ -54,7 +105,7 @@ class Batch:
                  cached_tokens: int = 0) -> None:
         # A launch is made on every scheduling decision: the fields are set through their slots (a frozen
         # dataclass's generated __init__ goes through object.__setattr__ per field, ~2.5x the cost)
-        if steps > 1 and not all(map(_SAMPLE, chunks)):
+        if steps > 1 and type(chunks) is not DecodeChunks and not all(map(_SAMPLE, chunks)):  # (all_sample inline)
             raise ValueError("a fused multi-step batch needs every chunk to sample")
         _SET_PARTITION(self, partition)
         _SET_LAYERS(self, layers)
@@ -64,7 +115,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return chunk_tokens(self.chunks)
 
     @property
     def lane(self) -> Lane:

@@ -220,7 +220,8 @@ class Engine:
                     req = self.held.get(rid)
                     if req is not None:
                         self._drop(req, why)
-        return self.flush()
+        out, self._out = self._out, []  # (flush(), inline: once a step)
+        return out
 
     def launch_idle(self) -> None:
         """Plan and launch every idle lane now, with the live horizon (``live_window``), without waiting: a live

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import StepResult
+from .batch import StepResult, chunk_tokens
 from .config import SloConfig
 from .request import Request
 
@@ -258,7 +258,7 @@ class Timeline:
             return
         state = self.probe() if self.probe is not None else (None, None, None)
         self.rows.append((lane, b.partition.num_sms, b.layers.start, b.layers.stop,
-                          sum([c.num_tokens for c in b.chunks]),  # b.num_tokens, without a generator
+                          chunk_tokens(b.chunks),  # b.num_tokens, without the property
                           len(b.chunks), res.start, res.step_ends, b.cached_tokens, *state))
 
     HEADER = ("lane", "state", "sms", "layer_start", "layer_stop", "tokens", "seqs", "cached_tokens", "start_s",

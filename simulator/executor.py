@@ -49,6 +49,9 @@ def interp(xs: list[float], ps: list[float], ts: list[float]) -> list[float]:
     return out
 
 
+_new_result = tuple.__new__  # StepResult(...) without its generated __new__ (one per launch)
+
+
 @dataclass(slots=True, eq=False)
 class _Flight:
     batch: Batch
@@ -119,8 +122,13 @@ class SimExecutor:
     def _start(self, batch: Batch, now: float, gap: bool) -> None:
         part = batch.partition
         lane, flights = part.lane, self._flights
-        key = (lane, part.num_sms, *[(f.sms, f.batch.partition.lane) for f in flights.values()]) if flights \
-            else (lane, part.num_sms)
+        if not flights:
+            key = (lane, part.num_sms)
+        elif len(flights) == 1:  # (the usual case of a two-lane policy: the key below, without a comprehension)
+            [(other_lane, other)] = flights.items()
+            key = (lane, part.num_sms, (other.sms, other_lane))
+        else:
+            key = (lane, part.num_sms, *[(f.sms, other_lane) for other_lane, f in flights.items()])
         if key not in self._legal:  # the rule depends on the lanes and sizes alone: checked once per combination
             check_launch(batch, [f.batch for f in flights.values()], self.sizes, self.num_sms)
             self._legal.add(key)
@@ -204,7 +212,7 @@ class SimExecutor:
             else:
                 ends = np.interp(cum / cum[-1], ps, ts)
             ends[-1] = end
-        self._done.append(StepResult(f.batch, f.start, end, ends, None))
+        self._done.append(_new_result(StepResult, (f.batch, f.start, end, ends, None)))
         if self._queued:
             queued = self._queued.pop(lane, None)
             if queued is not None:  # starts now, on the GPU's heels: its host part ran meanwhile

@@ -517,8 +517,9 @@ class GpuExecutor:
     # ------------------------------------------------------------------ the step
     def _order_chunks(self, batch: Batch) -> tuple[list[int], list[Chunk]]:
         """One-token chunks first (the attention's decode rows), stable otherwise."""
-        perm = sorted(range(len(batch.chunks)), key=lambda j: batch.chunks[j].num_tokens != 1)
-        return perm, [batch.chunks[j] for j in perm]
+        chunks = tuple(batch.chunks)  # (a DecodeChunks made once, not read per index)
+        perm = sorted(range(len(chunks)), key=lambda j: chunks[j].num_tokens != 1)
+        return perm, [chunks[j] for j in perm]
 
     def _forward_steps(self, batch: Batch, side: Side | None, record) -> tuple[torch.Tensor | None, list[int]]:
         """Run the batch (all steps) on the current stream. Returns device tokens (steps, k) for the
@@ -764,7 +765,8 @@ class GpuExecutor:
 
     def _set_cols(self, f: _Flight, batch: Batch, cols: list[int]) -> None:
         f.cols = np.asarray(cols, np.int64)
-        f.req_ids = tuple(batch.chunks[j].req_id for j in cols)
+        chunks = tuple(batch.chunks)
+        f.req_ids = tuple(chunks[j].req_id for j in cols)
 
     def _ev_time(self, ev) -> float:
         return self._t_ref + self._ref.elapsed_time(ev) / 1e3

@@ -66,6 +66,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from bisect import bisect_left
 from dataclasses import fields
 from itertools import accumulate
 from pathlib import Path
@@ -74,7 +75,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..config import ConfigError, GpuSpec, ModelSpec
-from .base import Work, check_sms, shared_sms
+from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
 FORMAT_VERSION = 5  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
@@ -342,9 +343,12 @@ class Quantities:
                 L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3)
 
     def host(self, w: Work) -> dict:
+        return dict(zip(HOST_Q, self.host_values(w)))
+
+    def host_values(self, w: Work) -> tuple:
+        """:meth:`host`'s quantities in ``HOST_Q`` order."""
         L = float(w.num_layers)
-        return {"layers": L * 1e-3, "seq_layers": L * w.seqs * 1e-3, "tokens": w.tokens * 1e-6,
-                "prefix_tokens": self.prefix(w) * 1e-6, "launch": 1e-3}
+        return L * 1e-3, L * w.seqs * 1e-3, w.tokens * 1e-6, self.prefix(w) * 1e-6, 1e-3
 
     def flops_of(self, w: Work) -> float:
         """FLOPs of a launch's layer GEMMs and attention (unpadded rows; the LM head left out)."""
@@ -467,7 +471,8 @@ class GraphLimits(NamedTuple):
         kernels (attention only over the real ones)."""
         if not self.buckets or not self.serves(work):
             return work
-        return work._replace(tokens=next(b for b in self.buckets if b >= work.tokens))
+        buckets = self.buckets  # (sorted: the first at or above its tokens; _replace's cost without it)
+        return new_work(Work, (work[0], buckets[bisect_left(buckets, work.tokens)], *work[2:]))
 
 
 def host_gap_of(entry: dict | None, field: str = "host_gap") -> tuple[float, float] | None:
@@ -505,6 +510,12 @@ class FittedModel:
     ``bullet fit`` wrote. Implements :class:`~bullet.perfmodel.base.LatencyModel`; ``host=False`` leaves the
     host time of eager launches out (see the module docstring)."""
 
+    # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
+    __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host", "_host_terms",
+                 "_own", "_own_fl", "_own_last", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only",
+                 "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q",
+                 "scale", "serving_gap", "source", "spec")
+
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
         try:
@@ -535,7 +546,7 @@ class FittedModel:
         except (KeyError, TypeError, ValueError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
-        self._demand: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its HBM demand, TB/s
+        self._co_last: tuple | None = None  # _co_of's last (co-runner, its SMs, (HBM demand TB/s, GEMM share))
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
@@ -543,7 +554,6 @@ class FittedModel:
         used = {q for (q, _), c in zip(self.f["co_eager"].terms, self.f["co_eager"].coef) if c}
         self._own = "own_bw_co_bw" in used  # (older models: no such term, no division to make)
         self._own_fl = "own_flops_co_sm" in used  # (version 5)
-        self._co_gemm: dict[tuple, Any] = {}  # (co-runner, its SMs) -> its stand-alone GEMM share (co_gemm_co_sm)
         # families whose fitted terms read only the SM counts, not the co-runner's HBM demand (the shipped H200
         # fit's co_decode: its co_bw terms fitted to 0): their slowdown is memoised by SM counts alone, and the
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
@@ -562,6 +572,10 @@ class FittedModel:
         self._eager_terms = ([[(EAGER_KEYS.index(q), tab[n]) for q, tab in zip(eager.quantities, eager.lists)]
                               for n in range(self.num_sms + 1)] if set(eager.quantities) <= set(EAGER_KEYS) else None)
         self._host: dict[Work, float] = {}  # host seconds of an eager launch
+        host = self.f["host"]  # its terms as (index in HOST_Q, weight), in the family's order (as _eager_terms)
+        self._host_terms = ([(HOST_Q.index(q), tab[0]) for q, tab in zip(host.quantities, host.lists)]
+                            if set(host.quantities) <= set(HOST_Q) else None)
+        self._own_last: tuple[Work, float, float, float] | None = None  # eager_next_to's last (work, alone, own terms)
         self._raw: tuple[Work, int, list[float]] | None = None  # decode_step_ends' last stretch, unscaled
         self._dsetup: dict[tuple, tuple] = {}  # decode_step_ends' per-(layers, batch, SMs, co-runner) setup
         self._share: dict[tuple, tuple[int, int]] = {}  # shared_sms by (SMs, co-runner's SMs, their tokens)
@@ -682,7 +696,7 @@ class FittedModel:
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
-        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f, n = setup
+        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f, n, unit = setup
         raw = self._raw
         if raw is not None and raw[1] == n and len(raw[2]) >= steps and raw[0] == work:
             # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
@@ -703,9 +717,7 @@ class FittedModel:
         # Step k's KV term is L * (kv0 + k * fs) * kvb * 1e-9 * w_kv; its first three operations act on integers
         # (kvb, the bytes of a token's K and V, is one too) and are exact below 2**53, so they are the integers
         # of a range, made floats: the same numbers at four float operations a step instead of seven
-        kvi = int(kvb)
-        unit = int(L) * kvi  # L * kvb as an integer
-        exact = kvi == kvb and seqs > 0 and unit * (kv0 + steps * seqs) < 2 ** 53
+        exact = unit and unit * (kv0 + steps * seqs) < 2 ** 53  # (unit: L * kvb as an integer, 0 if it is none)
         while i < steps:
             m = math.ceil(math.ceil((mk + i) / splits) / per_block)
             j = steps
@@ -733,8 +745,8 @@ class FittedModel:
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
         """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
-        under ``key``: both families' (const, w_kv, w_longest, splits) and the co-runner's slowdown factor
-        (None: none)."""
+        under ``key``: both families' (const, w_kv, w_longest, splits), the co-runner's slowdown factor
+        (None: none), the SMs and the KV term's integer unit, layers x a token's KV bytes (0: not an integer)."""
         n, _ = check_sms(num_sms, self.num_sms)
         if work.tokens < 1:
             raise ValueError(f"a launch needs at least one token, got {work!r}")
@@ -743,8 +755,10 @@ class FittedModel:
         f = 1.0 + self._slowdown("co_decode", n, co, co_sms, False) if co is not None and co_sms else None
         if len(self._dsetup) >= 65536:
             self._dsetup.clear()
+        kvi = int(self.q.kv_bytes)
+        unit = int(work.num_layers) * kvi if kvi == self.q.kv_bytes and work.seqs > 0 else 0
         out = self._dsetup[key] = (*self._decode_parts("decode_first", work, n),
-                                   *self._decode_parts("decode_step", work, n), f, n)
+                                   *self._decode_parts("decode_step", work, n), f, n, unit)
         return out
 
     # ---------------------------------------------------------------- parts
@@ -796,7 +810,15 @@ class FittedModel:
         if h is None:  # memoised: a policy's searches over SM counts ask for the same launch again and again
             if len(self._host) >= 65536:
                 self._host.clear()
-            h = self._host[work] = 0.0 if self.graphed(work) else self.f["host"].scalar(self.q.host(work), 0)
+            if self.graphed(work):
+                h = 0.0
+            elif self._host_terms is None:
+                h = self.f["host"].scalar(self.q.host(work), 0)
+            else:  # Linear.scalar's sum without a dict of quantities, as _eager_alone's
+                x, h = self.q.host_values(work), 0.0
+                for i, w in self._host_terms:
+                    h += x[i] * w
+            self._host[work] = h
         return h
 
     def gpu_time(self, work: Work, n: int) -> float:
@@ -854,27 +876,24 @@ class FittedModel:
         return float(co.num_layers) * self.q.gemm_layer(self.q.bucket(co.seqs), co_sms)
 
     def _co_gemm_share(self, co: Work, co_sms: int) -> float:
-        """The share of a co-runner's stand-alone time in its GEMMs (:meth:`_gemm_seconds`), memoised as
-        :meth:`_co_demand` is."""
-        key = (co, co_sms)
-        g = self._co_gemm.get(key)
-        if g is None:
-            if len(self._co_gemm) >= 64:
-                self._co_gemm.clear()
-            s = self._gemm_seconds(co, co_sms)
-            g = self._co_gemm[key] = s / self.gpu_time(co, co_sms) if s else 0.0
-        return g
+        """The share of a co-runner's stand-alone time in its GEMMs (:meth:`_gemm_seconds`)."""
+        return self._co_of(co, co_sms)[1]
 
     def _co_demand(self, co: Work, co_sms: int) -> float:
-        """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s, memoised for the last few co-runners
-        (asked again within one or two calls when at all: bench/RESULTS.md, tenth speed pass)."""
-        key = (co, co_sms)
-        u = self._demand.get(key)
-        if u is None:
-            if len(self._demand) >= 64:
-                self._demand.clear()
-            u = self._demand[key] = self.q.bytes_of(co) / self.gpu_time(co, co_sms) * 1e-12
-        return u
+        """The co-runner's stand-alone HBM demand on ``co_sms`` SMs, TB/s."""
+        return self._co_of(co, co_sms)[0]
+
+    def _co_of(self, co: Work, co_sms: int) -> tuple[float, float]:
+        """(:meth:`_co_demand`, :meth:`_co_gemm_share`), from one stand-alone time of the co-runner, memoised for
+        the last co-runner: asked again at once when at all (a memo of the last 64 hit 1 of ~6,000 asks more on
+        the Azure conversation trace: bench/RESULTS.md, tenth and fourteenth speed passes)."""
+        last = self._co_last
+        if last is not None and last[1] == co_sms and last[0] == co:
+            return last[2]
+        alone, s = self.gpu_time(co, co_sms), self._gemm_seconds(co, co_sms)
+        out = (self.q.bytes_of(co) / alone * 1e-12, s / alone if s else 0.0)
+        self._co_last = (co, co_sms, out)
+        return out
 
     def _co_scalar(self, family: str, n: int, co: Work, co_sms, own: float, own_fl: float = 0.0) -> float:
         """``self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)``: the same features,
@@ -882,10 +901,10 @@ class FittedModel:
         terms = self._co_terms.get(family)
         if terms is None:
             return self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)
-        u, N = self._co_demand(co, co_sms), self.num_sms
+        (u, g), N = self._co_of(co, co_sms), self.num_sms
         m = co_sms / N
         x = (u, u * (n / N), m, own * u, (self._sm_bw_table or self._sm_bw())[n] * m, own_fl * m,
-             self._co_gemm_share(co, co_sms) * m if family in self._gemm_fams else 0.0)
+             g * m if family in self._gemm_fams else 0.0)
         s = 0.0
         for i, w in terms:
             s += x[i] * w
@@ -905,8 +924,14 @@ class FittedModel:
     def eager_next_to(self, work: Work, alone, n, co: Work, co_sms, arr: bool = False):
         """An eager launch's time on ``n`` SMs next to ``co`` on ``co_sms``, from its stand-alone time(s)
         ``alone`` (its own HBM demand is a contention term only where the model has one: older files do not)."""
-        own = self.own_bw(work, alone) if self._own else 0.0
-        own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
+        last = self._own_last  # (a prefill launch is re-timed next to each new decode co-runner: the same own terms)
+        if not arr and last is not None and last[0] is work and last[1] == alone:
+            own, own_fl = last[2], last[3]
+        else:
+            own = self.own_bw(work, alone) if self._own else 0.0
+            own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
+            if not arr:
+                self._own_last = (work, alone, own, own_fl)
         return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own, own_fl))
 
     def own_bw(self, work: Work, alone):

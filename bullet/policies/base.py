@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..batch import _SAMPLE, Batch, Chunk, Lane, Partition, StepResult
+from ..batch import Batch, Chunk, DecodeChunks, Lane, Partition, StepResult, all_sample
 from ..config import GpuSpec, ModelSpec, SchedulerConfig, SloConfig
 from ..kvcache import BlockManager
 from ..metrics import TokenGaps
@@ -38,11 +38,14 @@ class Ahead:
 
 
 class Scheduler:
+    # Each class names its attributes in __slots__: a slot is read and written at a fixed offset, a dict-backed
+    # attribute by a keyed lookup (and past 30 attributes CPython 3.11 drops the shared-key dict, bench/RESULTS.md,
+    # ninth pass; bullet has 59). ``__dict__`` stays for anything else set on an instance (a test's patched method).
+    __slots__ = ("__dict__", "_hit_memo", "_new_hits", "_next_rank", "_step_s", "ahead", "all_layers", "busy", "cfg",
+                 "eos_token_id", "gaps", "gpu", "hit_tokens", "inflight", "keyed", "kv", "latency", "model",
+                 "num_preemptions", "partial", "query_tokens", "rank", "rejected", "running", "slo", "waiting",
+                 "whole_gpu")
     lanes: tuple[Lane, ...] = ("all",)
-    # async scheduling's state, set on the instance by plan_ahead (None here: synchronous). A class default, not an
-    # instance attribute: at 30 instance attributes CPython 3.11 drops an object's shared-key dict, which cost
-    # static-split's simulation 1 % (bench/RESULTS.md, ninth pass; StaticSplit has 29)
-    ahead: Ahead | None = None
     # A fused decode stretch with no co-runner runs past a request's last token (its row computed, its later tokens
     # dropped, as after an end-of-sequence token) instead of ending there, while nobody waits and a seat is free (a
     # completion then frees nothing anyone can take before the stretch's horizon): bullet's (bench/RESULTS.md).
@@ -64,7 +67,7 @@ class Scheduler:
         self.whole_gpu = Partition("all", gpu.num_sms)
         self.waiting: deque[Request] = deque()  # arrived, holding no KV
         self.running: list[Request] = []  # admitted (hold KV), in admission order
-        self.inflight: dict[Lane, tuple[Batch, list[Request]]] = {}
+        self.inflight: dict[Lane, tuple[Batch, list[Request], list[int]]] = {}  # lane -> (batch, requests, ids)
         self.busy: set[int] = set()  # ids of requests inside a launched batch
         self.partial: dict[int, Request] = {}  # running, prompt (or recompute) not finished: next is a chunk
         self.rank: dict[int, int] = {}  # priority (admission order, lower first), fixed at first admission
@@ -80,6 +83,7 @@ class Scheduler:
         self.gaps: TokenGaps | None = None
         self.keyed = False  # a request with prompt ids or hashes came: the prefix cache may key its blocks
         self._step_s = 0.0  # the last fused stretch's mean step time: how far the next one is timed first
+        self.ahead: Ahead | None = None  # async scheduling's state (plan_ahead); None: synchronous
 
     def keep_token_times(self, keep: bool) -> None:
         """Record each output token's time on its request (the default; streaming needs it), or, with
@@ -114,8 +118,9 @@ class Scheduler:
         if self._new_hits:  # prefix-cache hits of the requests admitted into this launch
             batch = replace(batch, cached_tokens=self._new_hits)
             self._new_hits = 0
-        self.inflight[lane] = (batch, reqs)
-        self.busy.update([r.id for r in reqs])
+        ids = [r.id for r in reqs]
+        self.inflight[lane] = (batch, reqs, ids)
+        self.busy.update(ids)
         if self.ahead is not None:
             self._apply_planned(lane, batch, reqs)
         return batch
@@ -391,9 +396,11 @@ class Scheduler:
         reqs = self._one_step(reqs)
         if not reqs:
             return None
-        # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each
+        # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each (the
+        # chunks made only if an executor reads them)
         starts = [r.num_computed for r in reqs]
-        chunks = self._decode_chunks(reqs, starts)
+        tables = self.kv.tables
+        chunks = DecodeChunks(reqs, starts, [tables[r.id] for r in reqs])
         n = len(starts)
         kv_end = sum(starts) + n
         work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
@@ -426,11 +433,11 @@ class Scheduler:
             pairs = float(sum([c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
                                for c in chunks]))
         work = new_work(Work, (self.model.num_layers, tokens, n, pairs, kv_end, n, True, max(ends)))  # == work_of()
-        return self._stretch(lane, partition, chunks, reqs, work, ends, 0, now, horizon, co, co_sms)
+        return self._stretch(lane, partition, tuple(chunks), reqs, work, ends, 0, now, horizon, co, co_sms)
 
-    def _stretch(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], work: Work,
-                 ends: list[int], off: int, now: float, horizon: float | None, co: Work | None,
-                 co_sms: int) -> Batch:
+    def _stretch(self, lane: Lane, partition: Partition, chunks: tuple[Chunk, ...] | DecodeChunks,
+                 reqs: list[Request], work: Work, ends: list[int], off: int, now: float, horizon: float | None,
+                 co: Work | None, co_sms: int) -> Batch:
         """:meth:`_fused` once ``work`` (``work_of`` the first step) is known; ``ends[i] + off`` is request i's
         KV after the first step."""
         kv, bs = self.kv, self.kv.block_size
@@ -455,7 +462,7 @@ class Scheduler:
                 kv.grow(grow)
         else:
             extra = 0
-        batch = Batch(partition, self.all_layers, tuple(chunks), extra + 1)
+        batch = Batch(partition, self.all_layers, chunks, extra + 1)
         note_work(self.latency, batch, self.model.num_layers, work)  # the simulator needs it too
         return self._launch(lane, batch, reqs)
 
@@ -521,11 +528,11 @@ class Scheduler:
         """Apply a finished launch; returns the requests it finished."""
         if self.ahead is not None:
             return self._record(res)
-        batch, reqs = self.inflight.pop(res.batch.partition.lane)
+        batch, reqs, ids = self.inflight.pop(res.batch.partition.lane)
         if batch.layers.stop != self.model.num_layers:
             self._slice_done(batch, reqs)
             return []
-        self.busy.difference_update([r.id for r in reqs])
+        self.busy.difference_update(ids)
         if res.tokens is None and not (self.keyed and self.kv.prefix_caching):
             return self._counted(batch, reqs, res)
         steps = batch.steps
@@ -593,7 +600,7 @@ class Scheduler:
         lasts: list[float] = []  # previous-token times: each one's gap to this launch's first step
         done: list[Request] = []
         rode: list[int] = []  # steps of the requests that rode past their last token (ride_past_end)
-        sampling = reqs if steps > 1 or all(map(_SAMPLE, batch.chunks)) else self._partial_chunks(batch, reqs)
+        sampling = reqs if steps > 1 or all_sample(batch.chunks) else self._partial_chunks(batch, reqs)
         for r in sampling:
             # a sampling chunk ends at its request's last known token (a Chunk field read costs a generic
             # attribute lookup in 3.11, three per request per launch here)
@@ -699,6 +706,8 @@ class Scheduler:
 class LayerSliced(Scheduler):
     """A policy whose prefill lane runs one job (chunks, their requests, the next layer) a layer slice per
     launch: the job advances as slices come back and ends with the slice that reaches the last layer."""
+
+    __slots__ = ("job",)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

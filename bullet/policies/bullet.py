@@ -237,6 +237,10 @@ class DecodeArrays:
 
 
 class Bullet(LayerSliced):
+    __slots__ = ("N", "_arrays", "_by_deadline", "_by_length", "_decode_end", "_decode_slots", "_decode_until",
+                 "_hold", "_job_sums", "_last", "_late", "_parts", "_paused", "_per_token", "_queued", "_recent",
+                 "_shed", "_slice_rate", "_slice_work", "_targets", "deadline", "dec_sizes", "layers_step", "num_late",
+                 "num_mixed", "num_paused", "num_shed", "pre_sizes", "prefill_until", "target", "token_target")
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
     # (base.py) on the whole GPU: with nobody waiting a completion there changes no decision before the stretch's
     # horizon, and no prefill is planned while it runs (beside a slice, the slice's next split would be planned
@@ -731,7 +735,7 @@ class Bullet(LayerSliced):
         if arrays is None:
             self._decode_slots = None
             return super().on_result(res)
-        batch, reqs = self.inflight[res.batch.partition.lane]
+        batch, reqs, _ = self.inflight[res.batch.partition.lane]
         done = super().on_result(res)
         if batch.layers.stop == self.model.num_layers:
             pending = self._decode_slots

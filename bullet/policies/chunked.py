@@ -9,6 +9,7 @@ from .base import Scheduler
 
 
 class ChunkedPrefill(Scheduler):
+    __slots__ = ()
     lanes: tuple[Lane, ...] = ("all",)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:

@@ -8,5 +8,7 @@ from .static_split import StaticSplit
 
 
 class NaiveConcurrent(StaticSplit):
+    __slots__ = ()
+
     def _partitions(self) -> tuple[Partition, Partition]:
         return Partition("prefill", self.gpu.num_sms), Partition("decode", self.gpu.num_sms)

@@ -8,6 +8,7 @@ from .base import Scheduler
 
 
 class PrefillFirst(Scheduler):
+    __slots__ = ()
     lanes: tuple[Lane, ...] = ("all",)
 
     def schedule(self, lane: Lane, now: float, horizon: float | None) -> Batch | None:

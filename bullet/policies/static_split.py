@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from ..batch import Batch, Chunk, Lane, Partition
 from ..config import ConfigError
+from ..perfmodel import Work
 from ..perfmodel.base import batch_work
 from ..request import Request
 from .base import LayerSliced
 
 
 class StaticSplit(LayerSliced):
+    __slots__ = ("decode_part", "prefill_part", "prefill_until", "prefill_work")
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill is planned first: decode sizes to it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.prefill_part, self.decode_part = self._partitions()
         self.prefill_until = 0.0  # predicted end of the prefill launch in flight
+        self.prefill_work: Work | None = None  # ... and its Work (decode's co-runner while it runs)
 
     def _partitions(self) -> tuple[Partition, Partition]:
         p, gpu = self.cfg.prefill_sms, self.gpu
@@ -44,7 +47,7 @@ class StaticSplit(LayerSliced):
         batch = Batch(self.prefill_part, range(first, min(first + step, self.model.num_layers)), chunks)
         decode = self.inflight.get("decode")
         co = batch_work(self.latency, decode[0], self.model.num_layers) if decode else None
-        work = batch_work(self.latency, batch, self.model.num_layers)
+        work = self.prefill_work = batch_work(self.latency, batch, self.model.num_layers)
         self.prefill_until = now + float(self.latency.predict(work, self.prefill_part.num_sms, co,
                                                               self.decode_part.num_sms))
         return self._launch("prefill", batch, reqs)
@@ -53,9 +56,8 @@ class StaticSplit(LayerSliced):
         decoders = self._decoders()
         if not decoders:
             return None
-        prefill = self.inflight.get("prefill")
-        if prefill:  # new decoders join when the prefill launch in flight ends
-            until, co = self.prefill_until, batch_work(self.latency, prefill[0], self.model.num_layers)
+        if "prefill" in self.inflight:  # new decoders join when the prefill launch in flight ends
+            until, co = self.prefill_until, self.prefill_work
         else:
             until, co = self.arrival_horizon(horizon), None
         return self._decode_batch("decode", self.decode_part, decoders, now, until, co,
