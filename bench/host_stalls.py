@@ -158,6 +158,16 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true", help="gc.collect(); gc.freeze() after start-up")
     ap.add_argument("--keep-steps", action="store_true", help="keep every launch's result across runs")
     args = ap.parse_args()
+    for spec_run in args.runs:  # checked before the executor starts (a minute on the GPU)
+        trace, _, rates = spec_run.partition(":")
+        try:
+            ok = bool(trace) and all(float(x) > 0 for x in rates.split(","))
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--runs: TRACE:RATE,RATE,... with positive rates, got {spec_run!r}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
 
     import torch
 

@@ -558,8 +558,9 @@ def profile(
                     "keeping each pass in corun_passes.csv and the median of a point's passes in points.csv; a "
                     "one-pass co-run row already there counts as the first pass. Default: the profile's own "
                     "(metadata.json), 1 for a new one. The re-measurement of issue 9 takes 3 with --corun-min 3 "
-                    "(bench/RESULTS.md): about 800 s on an H200 resuming the shipped quick profile with --sizes "
-                    "all --twins, --corun-min 4 about 950 s.")] = None,
+                    "(bench/RESULTS.md): estimated from the shipped profile's per-point times at about 800 s on an H200 "
+                    "resuming it with --sizes all --twins, --corun-min 4 about 950 s (bench/profile_resume_estimate.py; "
+                    "not yet measured).")] = None,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json, then the engine's host time between launches by batch size
