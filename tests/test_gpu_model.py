@@ -404,3 +404,19 @@ def test_gpu_batch1_decode_with_fused_gemv(kind, cfg, layout):
         torch.cuda.synchronize()
         assert torch.equal(h_graph, h_eager)
     assert rel(r.model.logits(h_eager, meta.sample_rows), ref[49:50]) < 2e-2
+
+def test_logits_padded_rows_hand_buckets_and_reference_values():
+    """Several sampled rows run the lm_head product at a padded row count (warm-up shapes only); the rows
+    asked for come back, in order, equal to the float64 product of those rows."""
+    from bullet.gpu.model import logits_rows
+
+    assert [logits_rows(n) for n in (1, 2, 3, 5, 64, 65, 128, 129, 300, 1025)] == \
+        [1, 2, 4, 8, 64, 128, 128, 256, 384, 1152]
+    model = Model(TINY, load_weights(TINY, "dummy", "cpu", torch.float32, seed=3), "cpu", torch.float32)
+    hidden = torch.randn(300, TINY.hidden_size, generator=torch.Generator().manual_seed(1))
+    for n in (2, 3, 57, 129):
+        rows = torch.randperm(300, generator=torch.Generator().manual_seed(n))[:n]
+        got = model.logits(hidden, rows, pad=True)
+        ref = hidden[rows].double() @ model.lm_head.double().t()
+        assert got.shape == (n, TINY.vocab_size) and got.dtype == torch.float32
+        assert rel(got, ref) < 1e-5

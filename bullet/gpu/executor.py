@@ -49,6 +49,7 @@ streams; close the executor before closing a menu it was given (a menu it made i
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections.abc import Sequence
@@ -64,17 +65,18 @@ from ..batch import Batch, Chunk, Lane, Partition, StepResult, check_launch
 from ..config import PROFILES_DIR, ConfigError, ModelSpec, gpu_short_name
 from .attention import build_meta, warm_prefill
 from .graphs import DEFAULT_BUCKETS, LaneGraphs
-from .kernels.decode_attention import DECODE_TARGET_PROGRAMS
+from .kernels.decode_attention import DECODE_TARGET_PROGRAMS, launch_defaults, paged_decode_attention
 from .kernels.gemv import GEMV_DEFAULT
 from .kernels.skinny import load_table
 from .kvcache import PagedKvCache
-from .model import Model
+from .model import Model, logits_rows
 from .partitions import PartitionMenu, Side
 from .prefill_graphs import DEFAULT_TOKEN_BUCKETS, PrefillGraphs, leading_decode
 from .sampling import sample
 from .weights import load_weights
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+LOGITS_WARM_ROWS = 1024  # the warm-up runs the lm_head product at every padded row count up to this
 HELD_PER_LANE = 2  # hidden states of unfinished layer-sliced jobs a lane keeps: the current one and one paused
 
 
@@ -297,8 +299,10 @@ class GpuExecutor:
             return 0
         n = warm_prefill(self.spec, self.device, self.dtype, max_prompt, self.model.prefill_config)
         self._warm_eager()
+        self._warm_variants()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the warm-up's activations (3 GiB cached for Llama-3.1-8B on the H200)
+        freeze_heap()
         return n
 
     def _warm_eager(self) -> None:
@@ -323,6 +327,31 @@ class GpuExecutor:
             for c in chunks:
                 kv.free(c.req_id)
                 self.release(c.req_id)
+
+    def _warm_variants(self) -> None:
+        """Kernels whose shape or options an eager launch picks at run time, run once now: the lm_head
+        product at every :func:`~bullet.gpu.model.logits_rows` bucket up to ``LOGITS_WARM_ROWS`` rows, and the
+        decode attention (one slice and split) with each partition size's launch options. The first call of
+        a new cuBLAS shape or Triton variant waits for the whole GPU to drain (a Triton one compiles first):
+        240 ms on the H200 with the other lane busy (bench/RESULTS.md, twenty-third session)."""
+        m = self.model
+        h = torch.zeros((LOGITS_WARM_ROWS, self.spec.hidden_size), device=self.device, dtype=self.dtype)
+        n = 2
+        while n <= LOGITS_WARM_ROWS:
+            m.logits(h, torch.arange(n, device=self.device), pad=True)
+            n = logits_rows(n + 1)
+        sizes = {None} if self.menu is None else {*self.menu.prefill, *self.menu.decode, self.menu.num_sms}
+        configs = {tuple(sorted({**launch_defaults(s), **m.decode_config}.items())) for s in sizes}
+        spec, kv = self.spec, self.kv
+        k_cache, v_cache = kv.layer(0)
+        ctx = 4 * self.block_size
+        table = torch.arange(16, device=self.device, dtype=torch.int32).remainder(kv.num_blocks).view(1, 16)
+        q = torch.zeros((1, spec.heads_per_gpu, spec.head_dim), device=self.device, dtype=self.dtype)
+        lens = torch.full((1,), ctx, device=self.device, dtype=torch.int32)
+        for cfg in configs:
+            for splits in (1, 2):
+                paged_decode_attention(q, k_cache, v_cache, table, lens, m.scale, ctx,
+                                       **{**dict(cfg), "num_splits": splits})
 
     def release(self, req_id: int) -> None:
         """Forget a finished request: its last-token slot and read-back tokens."""
@@ -652,7 +681,7 @@ class GpuExecutor:
             meta = build_meta(cur, self.block_size, self.device, block_q=self.model.block_q, table=self._block_table)
             hidden = yield from self.model.forward_iter(x, layers, meta, self.kv)  # steps > 1: all layers
             if samp:
-                logits = self.model.logits(hidden, meta.sample_rows)
+                logits = self.model.logits(hidden, meta.sample_rows, pad=True)
                 if greedy:
                     tok = logits.argmax(dim=-1)
                 else:
@@ -820,6 +849,15 @@ def shape_chunks(kv, first_id: int, prefill: Sequence[tuple[int, int]], decode: 
     return chunks
 
 
+def freeze_heap() -> None:
+    """Start-up is over: what it made (the modules of torch and the rest, weights, graphs: 286,000 objects on
+    the VM) leaves the garbage collector's scans. A generation-2 pass over them held the GIL for 256 ms in the
+    middle of a bullet run on the H200, a stall of both lanes (bench/RESULTS.md, twenty-third session); after
+    the freeze a full pass took 0.0 ms against 254-274 ms on the 2-core VM."""
+    gc.collect()
+    gc.freeze()
+
+
 def warm_shapes(spec: ModelSpec) -> list[tuple[list[tuple[int, int]], list[int]]]:
     """The eager launches of the executor's warm-up: (prompt chunks as (new tokens, cached prefix), decode
     rows' contexts). One and several prompts, a chunk over a prefix; each with no decode rows, a few (the
@@ -883,5 +921,6 @@ def prepare_graphs(ex: GpuExecutor, cfg, gpu, prefill: bool = True) -> dict[str,
                 "--decode-sizes or a lower --gpu-memory-utilization (the KV cache takes the rest)") from e
     if ex.cuda:
         torch.cuda.empty_cache()
+        freeze_heap()
     return {"decode": sum(len(g.graphs) for g in ex._graphs.values()),
             "prefill": sum(len(g.graphs) for g in ex.prefill_graphs.values())}

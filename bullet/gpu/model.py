@@ -222,16 +222,29 @@ class Model:
             return skinny_linear(act, layer.w_down, residual=residual, config=c)
         return residual.addmm_(act, layer.w_down.t())
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, pad: bool = False) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``. One row goes through the
-        GEMV path (fp32 straight out of the product) where ``gemv_config`` is set."""
-        one = hidden.shape[0] == 1 and rows.numel() == 1  # then rows is [0]: no gather
+        GEMV path (fp32 straight out of the product) where ``gemv_config`` is set. ``pad`` (eager launches,
+        whose row counts vary): several rows run at :func:`logits_rows` rows (repeats of the first, sliced
+        off), so serving meets only the product shapes the warm-up ran: cuBLAS sets up each new shape's kernel
+        once, and on the H200 that first call waited for the whole GPU to drain, 240 ms with the other lane
+        busy (bench/RESULTS.md, twenty-third session). Graphs have fixed row counts and do not pad."""
+        n = rows.numel()
+        one = hidden.shape[0] == 1 and n == 1  # then rows is [0]: no gather
+        if pad and not one and (m := logits_rows(n)) > n:
+            rows = F.pad(rows, (0, m - n), value=0)
         x = hidden if one else hidden.index_select(0, rows)
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv(x, self.lm_head, out_dtype=torch.float32, **self.gemv_config)
         if c := self._skinny_for(x.shape[0]).get("lm_head"):
-            return skinny_linear(x, self.lm_head, config=c).float()
-        return F.linear(x, self.lm_head).float()
+            return skinny_linear(x, self.lm_head, config=c)[:n].float()
+        return F.linear(x, self.lm_head)[:n].float()
+
+
+def logits_rows(n: int) -> int:
+    """The rows the lm_head product of ``n`` sampled rows runs at: a power of two up to 128, then a multiple
+    of 128 (at most 127 rows more than asked; the product reads the 1 GB weight either way at these sizes)."""
+    return 1 << max(0, n - 1).bit_length() if n <= 128 else -(-n // 128) * 128
 
 
 # --- reference: plain torch, no paging, no fusion (for tests) --------------------------------------------

@@ -14,7 +14,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the split count is an argument Triton does not specialise on, and the merge reads a fixed 32 slices
+    # (masked): a new count in the middle of serving compiles nothing (a compile of the merge kernel cost
+    # 114 ms of host time in a first bullet run on the H200, bench/RESULTS.md, twenty-third session)
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_split_kernel(Q, KC, VC, BT, CL, OUT, OP, LP, scale,
                              stride_qs, stride_qh, stride_bt, stride_cl, stride_cpage, stride_ctok, stride_chead,
                              stride_os, stride_oh, stride_ps, stride_ph, stride_psp,
@@ -76,7 +79,7 @@ if HAVE_TRITON:
                      mask=gmask[:, None])
             tl.store(LP + (s * stride_ps + heads * stride_ph) // D + sp, lse, mask=gmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_reduce_kernel(OP, LP, OUT, stride_ps, stride_ph, stride_psp, stride_os, stride_oh, num_splits,
                               D: tl.constexpr, SP2: tl.constexpr, PDL: tl.constexpr):
         if PDL:
@@ -106,6 +109,7 @@ def launch_defaults(num_sms: int | None) -> dict:
     return {"num_stages": 2} if num_sms is not None and num_sms <= 56 else {}
 
 
+MERGE_SLICES = 32  # slices the merge kernel is compiled for (decode_splits' default max_splits)
 DECODE_TARGET_PROGRAMS = 1024  # programs a split aims at; from this many (sequence, KV head) pairs it does not split
 
 
@@ -164,7 +168,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     if splits > 1:
         _decode_reduce_kernel[(S, H)](op, lp, out, sps, sph, spsp, out.stride(0), out.stride(1), splits,
-                                      D=D, SP2=next_pow2(splits), PDL=pdl, num_warps=4, **pdl_launch(pdl))
+                                      D=D, SP2=max(MERGE_SLICES, next_pow2(splits)), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 
