@@ -8,6 +8,7 @@ simulated, and writes each run's SM split timeline (lane, SMs, start, end per la
     python3 bench/policy_real.py --device cpu --model tiny-llama --runs sharegpt:20 --num-requests 12   # smoke
     python3 bench/policy_real.py --sim-only --latency fitted --runs arxiv:10,12,13 --policies bullet chunked-8192
     python3 bench/policy_real.py --runs arxiv:12 --starts 0,100,200 --num-requests 100   # three windows each
+    python3 bench/policy_real.py --runs arxiv:10,12 --policies bullet chunked-8192 --repeat 2   # the card's noise
 
 ``--sim-only`` runs the simulated half alone, on any machine (no torch, no GPU): the same requests, policies and
 latency model, with ``--num-blocks`` KV blocks (the H200 run's pool: 46,390 with dummy weights at 0.85 of memory).
@@ -22,6 +23,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,6 +93,9 @@ def main() -> None:
                     help="trace rows skipped first, comma-separated: each (rate, policy) runs once on each window "
                          "of --num-requests rows (the bundled traces are timed: a rate rescales their times, so "
                          "repeats need other windows), so a close pair can be told from the spread")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="real runs of each (window, rate, policy), the policies taking turns (the simulation "
+                         "runs once: it is deterministic); the comparison table takes each policy's median")
     ap.add_argument("--latency", default="auto", help="latency model for the policies and the simulator")
     ap.add_argument("--slo", default="paper", choices=["paper", "tight"])
     ap.add_argument("--layers-per-step", type=int, default=16, help="bullet / static-split prefill slices")
@@ -104,6 +109,8 @@ def main() -> None:
     args = ap.parse_args()
     if not all(k.strip().isdigit() for k in args.starts.split(",")):
         ap.error(f"--starts: comma-separated row counts (>= 0), got {args.starts!r}")
+    if args.repeat < 1:
+        ap.error(f"--repeat: at least 1, got {args.repeat}")
 
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     latency = latency_model(args.latency, spec, gpu)
@@ -114,7 +121,7 @@ def main() -> None:
 
     import torch
 
-    from bullet.gpu.executor import GpuExecutor, prepare_graphs
+    from bullet.gpu.executor import GpuExecutor, freeze_heap, prepare_graphs
 
     cuda = args.device == "cuda"
     t0 = time.perf_counter()
@@ -133,7 +140,8 @@ def main() -> None:
         trace, rates = spec_run.split(":")
         slo = slo_for(trace, args.slo)
         for rate, start in ((float(x), int(k)) for x in rates.split(",") for k in args.starts.split(",")):
-            for name in args.policies:
+            sims: dict[str, dict] = {}
+            for rep, name in ((k, n) for k in range(args.repeat) for n in args.policies):
                 cfg = policy_cfg(name, args.layers_per_step, sizes)
                 reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
                 shift = ex.now() + 0.05
@@ -142,6 +150,8 @@ def main() -> None:
                 kv = BlockManager(ex.kv.num_blocks, ex.kv.block_size, False)
                 sched = make_scheduler(cfg, spec, gpu, kv, CachedLatency(latency), slo=slo)
                 steps = []
+                freeze_heap()  # what the earlier runs and simulations left (kept rows) is out of the collector's
+                # scans: a generation-2 pass over it held the GIL for 256 ms in the middle of a run on the H200
                 t1 = time.perf_counter()
                 done = serve(reqs, sched, ex, on_step=steps.append)
                 wall = time.perf_counter() - t1
@@ -149,11 +159,15 @@ def main() -> None:
                 for s in steps:
                     busy[s.batch.lane] = busy.get(s.batch.lane, 0.0) + s.end - s.start
                 real = summarize(done, slo, busy, request_columns(done, slo))
-                sim_reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
-                sim = simulate(sim_reqs, spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks, prefix_caching=False),
-                               slo, latency)
-                row = {"trace": trace, "rate": rate, "start": start, "policy": name, "wall_s": wall, "launches": len(steps)}
-                for key, s in (("real", real), ("sim", sim.summary)):
+                first = name not in sims
+                if first:
+                    sim_reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
+                    sim = simulate(sim_reqs, spec, gpu, cfg, CacheConfig(num_blocks=ex.kv.num_blocks,
+                                                                         prefix_caching=False), slo, latency)
+                    sims[name] = sim.summary
+                row = {"trace": trace, "rate": rate, "start": start, "policy": name, "rep": rep, "wall_s": wall,
+                       "launches": len(steps)}
+                for key, s in (("real", real), ("sim", sims[name])):
                     row[f"{key}_attainment"] = s["slo_attainment"]
                     row[f"{key}_goodput"] = s["goodput"]
                     for m in ("ttft", "tpot"):
@@ -161,11 +175,11 @@ def main() -> None:
                             row[f"{key}_{m}_{q}_ms"] = s[f"{m}_ms"][q]
                 rows.append(row)
                 for s in steps:
-                    timelines.append((trace, rate, start, name, "real", s.batch.lane, s.batch.partition.num_sms,
-                                      s.start - shift, s.end - shift))
-                for r in sim.timeline.rows:
+                    timelines.append((trace, rate, start, name, f"real{rep}" if rep else "real", s.batch.lane,
+                                      s.batch.partition.num_sms, s.start - shift, s.end - shift))
+                for r in sim.timeline.rows if first else ():
                     timelines.append((trace, rate, start, name, "sim", r[0], r[1], r[6], r[7][-1]))
-                print(f"{trace} {rate:g} req/s from row {start} {name}: real attainment {100 * row['real_attainment']:.1f} % goodput "
+                print(f"{trace} {rate:g} req/s from row {start} {name}{f' (run {rep + 1})' if args.repeat > 1 else ''}: real attainment {100 * row['real_attainment']:.1f} % goodput "
                       f"{row['real_goodput']:.2f} | sim {100 * row['sim_attainment']:.1f} % {row['sim_goodput']:.2f} "
                       f"| {wall:.1f} s wall, {len(steps)} launches", flush=True)
     ex.close()
@@ -174,11 +188,13 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         err = 100 * (r["sim_goodput"] - r["real_goodput"]) / r["real_goodput"] if r["real_goodput"] else float("nan")
-        print(f"| {r['trace']} | {r['rate']:g} @{r['start']} | {r['policy']} | {100 * r['real_attainment']:.1f} / "
+        print(f"| {r['trace']} | {r['rate']:g} @{r['start']} | {r['policy']}{run_tag(r)} | {100 * r['real_attainment']:.1f} / "
               f"{100 * r['sim_attainment']:.1f} % | {r['real_goodput']:.2f} / {r['sim_goodput']:.2f} ({err:+.0f} %) | "
               f"{r['real_ttft_p50_ms']:.0f} / {r['sim_ttft_p50_ms']:.0f} | {r['real_ttft_p90_ms']:.0f} / "
               f"{r['sim_ttft_p90_ms']:.0f} | {r['real_tpot_p50_ms']:.1f} / {r['sim_tpot_p50_ms']:.1f} | "
               f"{r['real_tpot_p90_ms']:.1f} / {r['sim_tpot_p90_ms']:.1f} |")
+    if len(args.policies) > 1 and "bullet" in args.policies:
+        compare(rows)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "runs.json").write_text(json.dumps(rows, indent=1))
@@ -187,6 +203,27 @@ def main() -> None:
             w.writerow(["trace", "rate", "start", "policy", "source", "lane", "sms", "start_s", "end_s"])
             w.writerows(timelines)
         print(f"wrote {args.out}/runs.json, timeline.csv")
+
+
+def run_tag(row: dict) -> str:
+    return f" #{row['rep'] + 1}" if row.get("rep") else ""
+
+
+def compare(rows: list[dict]) -> None:
+    """bullet's real goodput against the best other policy's, per (trace, rate, window): medians over the
+    repeats, and every run's figure."""
+    cases: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        cases.setdefault((r["trace"], r["rate"], r["start"]), {}).setdefault(r["policy"], []).append(r["real_goodput"])
+    print("\n| trace | rate | bullet goodput (runs) | best other (runs) | bullet vs best, median |")
+    print("|---|---:|---:|---:|---:|")
+    for (trace, rate, start), by in cases.items():
+        med = {k: statistics.median(v) for k, v in by.items()}
+        other = max((k for k in med if k != "bullet"), key=med.get)
+        runs = {k: " ".join(f"{x:.3f}" for x in v) for k, v in by.items()}
+        gain = 100 * (med["bullet"] / med[other] - 1) if med[other] else float("nan")
+        print(f"| {trace} | {rate:g} @{start} | {med['bullet']:.3f} ({runs['bullet']}) | {other} {med[other]:.3f} "
+              f"({runs[other]}) | {gain:+.1f} % |")
 
 
 if __name__ == "__main__":
