@@ -196,6 +196,40 @@ def test_ramp_basis_by_hand():
             basis_table(bad, 132)
 
 
+def test_grid_basis_by_hand():
+    """``grid``: the rounds a grid of 132 blocks, one a SM, takes on n SMs: ceil(132 / n)."""
+    from bullet.perfmodel.fitted import basis_table
+
+    g = basis_table("grid", 132)
+    assert [g[n] for n in (1, 20, 36, 43, 44, 52, 65, 66, 68, 116, 131, 132)] == [132, 7, 4, 4, 3, 3, 3, 2, 2, 2, 2, 1]
+
+
+def test_grid_term_by_hand():
+    """0.5 x gemm_flops x grid: 0.5 x L t x 2 (h (q + 2 kv) + q h + 2 f h + f h) x 1e-12 / 132 x ceil(132 / n), with
+    Llama-3.1-8B's h = q = 4096, kv = 1024, f = 14336 (one token, one layer: 436,207,616 FLOPs)."""
+    fm = truth_model()
+    zero = {"terms": [["launch", "one"]], "coef": [0.0]}
+    fams = {fam: zero for fam in TRUE}
+    fams["eager"] = {"terms": [["gemm_flops", "grid"]], "coef": [0.5]}
+    fm1 = FittedModel({**fm.data, "version": 6, "families": fams}, host=False)
+    w = Work(32, 1000, 1, 1000 * 1001 / 2, 1000, 1, True, 1000)  # eager: no graph pads it
+    flops = 32 * 1000 * 436_207_616 * 1e-12 / 132
+    for n, rounds in ((20, 7), (52, 3), (68, 2), (116, 2), (132, 1)):
+        assert fm1.predict(w, n) == pytest.approx(0.5 * flops * rounds, rel=1e-12)
+
+
+def test_fitting_recovers_the_grid_coefficient(tmp_path):
+    """A synthetic profile whose eager launches also take 4e-4 x gemm_flops x grid: the fit recovers it and the
+    truth's other coefficients; the default terms have it where the profile measured partitions."""
+    truth = {**TRUE, "eager": [*TRUE["eager"], (("gemm_flops", "grid"), 4e-4)]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 6, "families": fams})
+    prof = load_profile(synthetic_profile(tmp_path / "synthetic", fm))
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["eager"]["coef"] == pytest.approx([c for _, c in truth["eager"]], rel=1e-4, abs=1e-9)
+    assert ["gemm_flops", "grid"] in fit_model(prof, prof.rows)["families"]["eager"]["terms"]
+
+
 def test_ramp_terms_by_hand():
     """A model of two ramp terms: 2 x tokens x r20_36_52 + 3 x tokens x r20_52_0 (tokens = L t 1e-6; a
     1000-token launch is eager, no prefill graph pads it)."""
@@ -232,15 +266,16 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 5
+    assert data["version"] == 6
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
     FittedModel.load(H200_PROFILE / "model.json", LLAMA, GPUS["h200"])
     if shipped["version"] == 4:
         assert "own_flops_co_sm" not in {q for q, _ in shipped["families"]["co_eager"]["terms"]}
-    with pytest.raises(ConfigError, match=r"version 6, this bullet reads versions 1, 2, 3, 4, 5: refit it"):
-        FittedModel({**data, "version": 6})
+    FittedModel({**data, "version": 5})  # version 5: the shipped files' (no grid basis)
+    with pytest.raises(ConfigError, match=r"version 7, this bullet reads versions 1, 2, 3, 4, 5, 6: refit it"):
+        FittedModel({**data, "version": 7})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol

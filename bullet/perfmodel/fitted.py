@@ -16,6 +16,13 @@ layers) times an *SM basis* function of the partition's SM count ``n``:
   monotone (more SMs never slower, which the bullet policy's bisections assume). The eager family uses
   them: its time's knee in ``n`` moves with the launch's size (a 256-token prefill is flat from 68 SMs up,
   an 8192-token one keeps falling), which no fixed ``k<K>`` sum follows.
+* ``grid``: ``ceil(N / n)``, the rounds a grid of ``N`` blocks (one a SM, sized for the whole GPU) takes on
+  ``n`` SMs: 2 from 66 to 131 SMs, 3 from 44 to 65, 1 on the whole GPU. A green context does not change the SM
+  count a library reads off the device, so a kernel that sizes its grid by it (cuBLAS's split and persistent
+  GEMMs at few row tiles) runs in whole rounds of ``n``: on the H200 profiles an eager launch's time falls
+  faster than ``1/n`` from 52 to 68 SMs (a 400-token prefill: 25.7 -> 18.7 ms) and hardly at all from 68 to
+  116 (17.4 ms), which ramps interpolated in ``1/n`` between 52 and 84 miss by +6 % at 68. The eager family
+  takes ``gemm_flops`` on it (format version 6).
 * ``full``: 1 on the whole GPU (an ordinary stream: cuBLAS and the graphs see all SMs), 0 on a green
   context; ``part``: the reverse. Small launches on any green context run ~1.5x longer than on the whole
   GPU (a 256-token prefill: 11.3-11.9 ms on 84-116 SMs, 7.7 ms on all 132), a step no ``k<K>`` sum can
@@ -78,10 +85,11 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 5  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 6  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
-# slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); older files read unchanged
-READS = (1, 2, 3, 4, 5)
+# slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); older files read
+# unchanged
+READS = (1, 2, 3, 4, 5, 6)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -370,6 +378,8 @@ def basis_table(name: str, num_sms: int) -> np.ndarray:
         out = np.zeros(num_sms + 1)
         out[num_sms] = 1.0
         return out
+    if name == "grid":  # rounds of a grid of num_sms blocks on n SMs (index 0: num_sms, finite)
+        return np.ceil(num_sms / n)
     if name == "part":  # a green-context partition (any SM count below the whole GPU)
         out = np.ones(num_sms + 1)
         out[num_sms] = 0.0
@@ -382,7 +392,8 @@ def basis_table(name: str, num_sms: int) -> np.ndarray:
         if not (0 < first <= k < num_sms and (hi == 0 or k < hi < num_sms)):
             raise ValueError(f"SM basis {name!r}: knots must rise and stay below the GPU's {num_sms} SMs")
         return _ramp(n, first, k, hi, num_sms)
-    raise ValueError(f"unknown SM basis {name!r} (one, full, part, k<knot> or r<first>_<knot>_<next>)")
+    raise ValueError(f"unknown SM basis {name!r} (one, full, part, grid, k<knot> or "
+                     f"r<first>_<knot>_<next>)")
 
 
 _RAMP = re.compile(r"r(\d+)_(\d+)_(\d+)")
