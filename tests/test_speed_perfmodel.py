@@ -53,6 +53,24 @@ def test_fitted_decode_step_ends_equal_decode_steps_to_the_bit():
             assert np.array_equal(ends, ref.cumsum())
 
 
+def test_fitted_decode_stretch_asked_for_more_steps_goes_on_to_the_bit():
+    """A stretch asked again for more steps (a policy's growing guess) goes on from the steps computed before:
+    the same numbers as a stretch computed whole."""
+    fm = models()["fitted"]
+    rng = np.random.default_rng(17)
+    for _ in range(500):
+        w = random_decode(rng)
+        n = int(rng.integers(1, N + 1))
+        co, cs = random_co(rng, n) if rng.random() < 0.5 else (None, 0)
+        first = int(rng.integers(1, FLOAT_STRETCH))
+        fm.decode_step_ends(w, first, n, co, cs)
+        for steps in (first + int(rng.integers(1, 8)), FLOAT_STRETCH):
+            times, ends = fm.decode_step_ends(w, steps, n, co, cs)
+            ref = fm.decode_steps(w, steps, n, co, cs)
+            assert np.array_equal(np.asarray(times), ref), (w, first, steps, n, co, cs)
+            assert np.array_equal(ends, ref.cumsum())
+
+
 @pytest.mark.parametrize("name", ["fitted", "roofline"])
 def test_cached_step_ends_equal_the_cumsum_of_step_times(name):
     """CachedLatency.step_ends (the mixed first step's decode tail from the model's plain-float stretch) is

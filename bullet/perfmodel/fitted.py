@@ -75,7 +75,7 @@ import math
 import re
 from bisect import bisect_left
 from dataclasses import fields
-from itertools import accumulate
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -709,25 +709,32 @@ class FittedModel:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
         c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f, n, unit = setup
         raw = self._raw
-        if raw is not None and raw[1] == n and len(raw[2]) >= steps and raw[0] == work:
-            # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
-            # co-runner scales every step by one factor, so the unscaled steps are those computed then
-            times = raw[2][:steps] if f is None else [x * f for x in raw[2][:steps]]
-            return times, list(accumulate(times))
         kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
         mk = float(max_kv or (kv0 / max(1, seqs)))
-        # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
-        t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
-            L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
-        times = [t]
+        if raw is not None and raw[1] == n and raw[0] == work:
+            # the same stretch as last asked, on the same SMs, next to another co-runner (or none): the
+            # co-runner scales every step by one factor, so the unscaled steps are those computed then; asked
+            # for more steps (a policy's growing guess), the stretch goes on from where it stopped
+            times = raw[2]
+            if len(times) >= steps:
+                times = times[:steps] if f is None else [x * f for x in times[:steps]]
+                return times, list(accumulate(times))
+            i = len(times)
+        else:
+            # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
+            t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
+                L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
+            times, i = [t], 1
         # the later steps: the longest program's blocks, ceil(ceil((mk + i) / splits) / block_n), are a
         # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
         # found by bisection on that very expression and its term is one number across the run
-        i, fs = 1, float(seqs)  # i * 1.0 * seqs == i * fs: one rounding of the same exact operands
+        fs = float(seqs)  # i * 1.0 * seqs == i * fs: one rounding of the same exact operands
         # Step k's KV term is L * (kv0 + k * fs) * kvb * 1e-9 * w_kv; its first three operations act on integers
         # (kvb, the bytes of a token's K and V, is one too) and are exact below 2**53, so they are the integers
-        # of a range, made floats: the same numbers at four float operations a step instead of seven
+        # unit * (kv0 + k * seqs) made floats, and so are their float sums step by step (every one an integer
+        # below 2**53): the same numbers at four float operations a step instead of seven, the KV tokens by
+        # float additions in C instead of a big integer and its conversion each
         exact = unit and unit * (kv0 + steps * seqs) < 2 ** 53  # (unit: L * kvb as an integer, 0 if it is none)
         while i < steps:
             m = math.ceil(math.ceil((mk + i) / splits) / per_block)
@@ -742,7 +749,7 @@ class FittedModel:
                         j = mid
             b = L * float(m * per_block) * 1e-3 * w_longest
             if exact:
-                kv = map(float, range(unit * (kv0 + i * seqs), unit * (kv0 + j * seqs), unit * seqs))
+                kv = accumulate(repeat(float(unit * seqs), j - i - 1), initial=float(unit * (kv0 + i * seqs)))
                 times += [c + x * 1e-9 * w_kv + b for x in kv]
             else:
                 times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
