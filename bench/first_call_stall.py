@@ -6,8 +6,10 @@ host waits that long before it can enqueue anything. This measures it for the lm
 vocab 128,256, Llama-3.1-8B's) at several row counts, three times over: a first round on a prefill partition
 with the decode partition busy, the same shapes again (second calls), then on other partitions (a shape set
 up once serves every partition). Columns: row count, product ms, the ``.float()`` after it ms.
+Also prints the device memory the process holds outside torch's allocator (the CUDA context and loaded modules).
 Run on a GPU: ``python3 bench/first_call_stall.py``; ``CUDA_MODULE_LOADING=EAGER python3 ...`` for the A/B
-on module loading (it changes the elementwise kernels' first calls, not the product's).
+on module loading (it changes the elementwise kernels' first calls, not the product's); ``--busy-matmuls 0``
+for the same calls on an idle GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def main() -> None:
     try:
         F.linear(torch.randn(rows[0], 4096, device=dev, dtype=torch.bfloat16), w)  # cuBLAS initialised
         torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free - torch.cuda.memory_reserved()) / 2**30
+        print(f"device memory outside torch's allocator: {outside:.2f} GiB (the menu included)")
         decode = menu.decode[min(menu.decode)]
 
         def busy() -> float:

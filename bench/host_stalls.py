@@ -1,6 +1,6 @@
 """Where the engine's host stalls go while serving a trace on the real executor.
 
-    python bench/host_stalls.py --runs arxiv:12 --policies bullet chunked-8192 --repeat 2 [--gc-freeze] [--keep-steps]
+    python bench/host_stalls.py --runs arxiv:12 --policies bullet chunked-8192 --repeat 2 [--gc-unfreeze] [--keep-steps]
 
 Serves each (trace, rate, policy) ``--repeat`` times in one process (the first run of a process pays what the
 warm-up left undone) and prints, per run: its length, the GPU's idle gaps between launches over ``--gap-ms``,
@@ -12,8 +12,8 @@ allocators' counters. Found on the H200 (bench/RESULTS.md, twenty-second session
 the first run of a process, and a 178 ms idle gap between two decode launches of a later run; with the lanes
 taking turns on the whole GPU each such stall lengthens the run (arxiv, where bullet and chunked prefill tie).
 
-``--gc-freeze`` moves everything allocated at start-up out of the collector's reach (``gc.freeze()``) before
-serving; ``--keep-steps`` keeps every launch's result across runs, as bench/policy_real.py does (its heap grows,
+The executor's start-up ends with ``gc.freeze()`` (``freeze_heap``: what it made is out of the collector's
+reach); ``--gc-unfreeze`` undoes it before serving, the A/B of that freeze; ``--keep-steps`` keeps every launch's result across runs, as bench/policy_real.py does (its heap grows,
 and with it what a full collection walks).
 """
 
@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--latency", default="profiles/h200/llama-3.1-8b/model.json")
     ap.add_argument("--piece-ms", type=float, default=20.0, help="a host piece slower than this is listed")
     ap.add_argument("--gap-ms", type=float, default=5.0, help="an idle GPU gap between launches longer than this")
-    ap.add_argument("--gc-freeze", action="store_true", help="gc.collect(); gc.freeze() after start-up")
+    ap.add_argument("--gc-unfreeze", action="store_true",
+                    help="gc.unfreeze() after start-up: the collector walks start-up's objects again (the A/B of "
+                         "the executor's freeze_heap)")
     ap.add_argument("--keep-steps", action="store_true", help="keep every launch's result across runs")
     args = ap.parse_args()
     for spec_run in args.runs:  # checked before the executor starts (a minute on the GPU)
@@ -182,9 +184,8 @@ def main() -> None:
         for name in args.policies:
             prepare_graphs(ex, policy_cfg(name, None, None), gpu)
         torch.cuda.synchronize()
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    if args.gc_unfreeze:
+        gc.unfreeze()
     watch = Watch(ex, args.piece_ms / 1e3, args.gap_ms / 1e3)
     kept: list = []
     table = []
