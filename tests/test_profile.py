@@ -36,7 +36,7 @@ def run(out, *flags):
     return res.output
 
 
-def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
+def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "prof"
     run(out)
     rows = read_points(out / "points.csv")
@@ -84,6 +84,19 @@ def test_profile_on_the_cpu_writes_every_point_and_resumes(tmp_path):
     assert json.loads((out / "metadata.json").read_text())["gaps"] == gaps_meta
     with (out / "points.csv").open() as f:
         assert sum(1 for _ in csv.reader(f)) == len(ids) + 1
+    # a resume stopped before it ends (a device call's time limit) keeps that record too: gaps.csv is not
+    # measured again, so its metadata must survive the first rewrite, not only the last
+    text = (out / "points.csv").read_text().splitlines(keepends=True)
+    (out / "points.csv").write_text("".join(text[:-1]))
+
+    def stopped(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("bullet.gpu.profile._append", stopped)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out)])
+    assert res.exit_code != 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["gaps"] == gaps_meta and "finished" not in meta
 
 
 def test_gpu_folder_names():

@@ -839,8 +839,9 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             old_protocol != meta["corun_protocol"]:
         raise ValueError(f"{out}: its co-run points were measured by the {old_protocol['name']!r} protocol, this "
                          f"run would use {meta['corun_protocol']}: add --redo-coruns to measure them again")
-    if "note" in old_meta:  # what a person recorded about the profile's history
-        meta["note"] = old_meta["note"]
+    for key in ("note", "gaps"):  # what a person recorded; the host gaps, measured once (kept if interrupted)
+        if key in old_meta:
+            meta[key] = old_meta[key]
     _write_json(out / "metadata.json", meta)
     prof = Profiler(executor, reps, graphs, CORUN_PROTOCOL["sustain_s"])
     for pid, row in have.items():  # co-runs size their stretches from earlier solo points
@@ -872,8 +873,6 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
         meta["gaps"] = {"measured": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                         "commit": meta.get("commit"), "policy": "chunked", "steps": GAP_STEPS, "prompt": GAP_PROMPT}
-    elif old_gaps := old_meta.get("gaps"):  # (it was lost on every resume while this read the new file)
-        meta["gaps"] = old_gaps
     meta["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _write_json(out / "metadata.json", meta)
     return measured, skipped
