@@ -2,7 +2,7 @@
 # Issue 10's H200 point in one device call (bench/RESULTS.md, twenty-third session): are bullet's first-run host
 # stalls gone (no slow piece, no Triton compile, no generation-2 GC pass over 10 ms), and is bullet's real goodput
 # at or above chunked prefill's at each rate, with two runs each to show the card's own spread?
-#   bash tools/gpu_policy_check.sh   # ~510 s on an H200 (estimated): the stall finder (~150 s), then arxiv x2
+#   bash tools/gpu_policy_check.sh   # ~480 s on an H200: the stall finder on arxiv 12 (~130 s), then arxiv x2 (~340 s)
 #   STALLS=0 REPEAT=1 RUNS="sharegpt:10 azure-code:3" bash tools/gpu_policy_check.sh   # ~150 s: the other rows
 # Logs under $OUT (default policy_check/): stalls.txt, policy_real.txt, pr/runs.json, pr/timeline.csv.
 set -o pipefail
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 source tools/device_setup.sh > "$OUT/setup.log" 2>&1
 echo "card: $(nvidia-smi --query-gpu=uuid,clocks.sm,power.draw --format=csv,noheader)"
 if [ "${STALLS:-1}" != 0 ]; then
-    timeout 200 python3 bench/host_stalls.py --latency "$MODEL" --runs arxiv:10,12 --policies bullet chunked-8192 \
+    timeout 200 python3 bench/host_stalls.py --latency "$MODEL" --runs ${STALL_RUNS:-arxiv:12} --policies bullet chunked-8192 \
         > "$OUT/stalls.txt" 2>&1
     echo "host_stalls: exit $?"; grep -E "host piece|compile|gc generation 2" "$OUT/stalls.txt" | head -20
     grep -A12 "^| trace" "$OUT/stalls.txt"
