@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
@@ -680,23 +681,25 @@ def fit(
 
 def print_fit_table(model: dict, console: Console) -> None:
     err = model["errors"]
-    table = Table(title=f"held-out error of the fitted model ({model['model_spec']['name']} on "
-                        f"{model['gpu']['name']}, {model['profile']['points']} points; MAPE)",
-                  title_justify="left")
-    table.add_column("family")
+    # narrow enough for 80 columns: no cell borders, one space between columns, no "%" in the cells
+    table = Table(title=f"held-out MAPE (%) of the model: {model['model_spec']['name']} on {model['gpu']['name']}, "
+                        f"{model['profile']['points']} points",
+                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("family", no_wrap=True)
     splits_shown = [s for s in ("random", "loso", "interior")  # (a model file from before interior loso: two)
                     if any(s in v for v in err["held_out"].values())]
     for split in splits_shown:
-        table.add_column(f"{'rand' if split == 'random' else split} n", justify="right")
-        table.add_column("mean", justify="right")
-        table.add_column("p95", justify="right")
-    table.add_column("in-sample", justify="right")
+        table.add_column(f"{ {'random': 'rand', 'interior': 'intr'}.get(split, split)}\nn", justify="right")
+        table.add_column("\nmean", justify="right")
+        table.add_column("\np95", justify="right")
+    table.add_column("in-\nsample", justify="right")
     limit = {"launch": err["thresholds"]["launch_mean"]}
 
     def cell(v: float | None, bound: float | None) -> str:
         if v is None:
             return "-"
-        text = f"{100 * v:.1f} %"
+        text = f"{100 * v:.1f}"
         return f"[red]{text}[/red]" if bound is not None and v > bound else text
 
     for fam, splits in err["held_out"].items():
@@ -712,7 +715,7 @@ def print_fit_table(model: dict, console: Console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print("rand: a random 20 % of the points held out (seed {}); loso: each SM count held out in turn; "
-                  "interior: loso without holding out a lane's smallest or largest size (extrapolation past "
+                  "intr: interior loso, loso without holding out a lane's smallest or largest size (extrapolation past "
                   "anything measured, which service never meets). Gated: {}. (*) not gated: host time counts "
                   "through whole launches.".format(err["seed"], " and ".join(err.get("gated_splits", ("random", "loso")))))
     spread = model["profile"].get("corun_passes")

@@ -519,8 +519,10 @@ def test_fit_help():
 def test_fit_command_writes_only_within_thresholds_or_forced(tmp_path):
     folder = copy_profile(tmp_path)
     out = tmp_path / "m.json"
-    res = runner.invoke(app, ["fit", str(folder), "--out", str(out)])
-    assert "held-out error" in res.output and "launch" in res.output
+    res = runner.invoke(app, ["fit", str(folder), "--out", str(out)], env={"COLUMNS": "80"})
+    assert "held-out MAPE" in res.output and "launch" in res.output
+    # the table fits an 80-column terminal: no cell cut short, no row wrapped
+    assert "…" not in res.output and all(len(line) <= 80 for line in res.output.splitlines())
     if res.exit_code == 1:
         assert "not written" in res.output and not out.exists()
         res = runner.invoke(app, ["fit", str(folder), "--out", str(out), "--force"])
