@@ -18,6 +18,7 @@ from bullet.config import GPUS, MODELS, gpu_short_name
 from bullet.gpu.profile import (
     COLUMNS,
     PASSES_FILE,
+    Profiler,
     grid,
     read_gaps,
     read_passes,
@@ -264,6 +265,42 @@ def test_co_runs_in_passes_are_the_median_of_their_passes_and_resume(tmp_path):
         assert [p["pass"] for p in ps] == ["1", "2", "3"]
         assert float(rows[pid]["gpu_s"]) == pytest.approx(float(np.median([float(p["gpu_s"]) for p in ps])), rel=1e-8)
     assert json.loads((out / "metadata.json").read_text())["corun_passes"] == 3
+
+
+def test_a_run_stopped_inside_a_pass_leaves_points_csv_the_median_of_the_passes_measured(tmp_path, monkeypatch):
+    """A run stopped inside a pass (a device call's time limit): points.csv already holds every pass measured, each
+    co-run point's row the median of its passes so far, a point new to the grid included (before, the medians were
+    written only at the end: the shipped H200 profile kept its first pass's rows and lacked 18 new points)."""
+    out = tmp_path / "prof"
+    real, calls = Profiler.measure, []
+
+    def stops_at_the_second_co_run(self, pt):
+        if pt.co is not None:
+            calls.append(pt.id)
+            if len(calls) == 2:
+                raise RuntimeError("time limit")
+        return real(self, pt)
+
+    monkeypatch.setattr(Profiler, "measure", stops_at_the_second_co_run)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
+                                   "--corun-passes", "2"])
+    assert isinstance(res.exception, RuntimeError)
+    rows = {r["id"]: r for r in read_points(out / "points.csv")}
+    assert calls[0] in rows and calls[1] not in rows  # the co-run point measured has its row, pass 1 alone
+    assert rows[calls[0]]["gpu_s"] == read_passes(out / PASSES_FILE)[calls[0]][0]["gpu_s"]
+    monkeypatch.setattr(Profiler, "measure", real)
+    run(out, "--corun-passes", "2")  # finished
+    calls.clear()
+    monkeypatch.setattr(Profiler, "measure", stops_at_the_second_co_run)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
+                                   "--corun-passes", "3"])
+    assert isinstance(res.exception, RuntimeError)
+    rows, passes = {r["id"]: r for r in read_points(out / "points.csv")}, read_passes(out / PASSES_FILE)
+    assert [len(passes[pid]) for pid in calls] == [3, 2]
+    for pid in calls:  # the median of 3 where the third pass was measured, of 2 where the run stopped
+        med = float(np.median([float(p["gpu_s"]) for p in passes[pid]]))
+        assert float(rows[pid]["gpu_s"]) == pytest.approx(med, rel=1e-8), pid
+        assert int(rows[pid]["reps"]) == sum(int(p["reps"]) for p in passes[pid])
 
 
 def twin_of(pid: str) -> str:
