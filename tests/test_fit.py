@@ -33,6 +33,7 @@ from bullet.perfmodel.fit import (
     fit_profile,
     folds,
     load_profile,
+    pass_spread,
     predictions,
     work_of_row,
     write_model,
@@ -478,7 +479,7 @@ def test_a_profile_with_co_run_passes_fits_as_one_without(tmp_path, real):
     coefficients with and without it (an old profile has none), and the spread is the hand figure: two passes
     at t and 1.04 t, (max - min) / median = 0.04 / 1.02, one pass's sd 0.04 t / sqrt(2) / 1.02 t."""
     folder = copy_profile(tmp_path)
-    assert not (folder / "corun_passes.csv").exists()
+    (folder / "corun_passes.csv").unlink(missing_ok=True)  # (the shipped profile's own: replaced by a hand-made one)
     plain = fit_model(real, real.rows)
     co = [r for r in csv.DictReader((folder / "points.csv").open()) if r["co_kind"]]
     with (folder / "corun_passes.csv").open("w", newline="") as f:
@@ -497,6 +498,27 @@ def test_a_profile_with_co_run_passes_fits_as_one_without(tmp_path, real):
     assert spread["spread_mean"] == pytest.approx(0.04 / 1.02) and spread["pass_sd"] == pytest.approx(0.04 / 2**0.5 / 1.02)
     assert [c for fam in model["families"].values() for c in fam["coef"]] == \
         [c for fam in plain["families"].values() for c in fam["coef"]]
+    # the median of t and 1.04 t is no row's time: every co-run row is a pass, not the median
+    assert (spread["not_median"], spread["no_row"]) == (len(co), 0)
+
+
+def test_the_fit_counts_co_run_rows_that_are_not_the_median_of_their_passes(tmp_path, real):
+    """Rows that are the median of three passes (0.98 t, t, 1.05 t) count as such; a point with passes and no row
+    (a passes run stopped before writing it) is counted, and one row changed away from its median too."""
+    folder = copy_profile(tmp_path)
+    co = [r for r in csv.DictReader((folder / "points.csv").open()) if r["co_kind"]]
+    with (folder / "corun_passes.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["pass", *co[0]])
+        w.writeheader()
+        for r in co + [dict(co[0], id="a point with no row")]:
+            col = "step_s" if r["kind"] == "decode" else "gpu_s"
+            for k, x in enumerate((0.98, 1.0, 1.05), 1):
+                w.writerow({"pass": k, **r, col: repr(float(r[col]) * x)})
+    rows = load_profile(folder).rows
+    spread = pass_spread(folder / "corun_passes.csv", rows)
+    assert (spread["points"], spread["passes"], spread["not_median"], spread["no_row"]) == (len(co) + 1, 3, 0, 1)
+    moved = [dict(r, gpu_s=r["gpu_s"] * 1.01) if r["id"] == co[0]["id"] else r for r in rows]
+    assert pass_spread(folder / "corun_passes.csv", moved)["not_median"] == 1
 
 
 def test_held_out_points_are_not_fitted_on(real):

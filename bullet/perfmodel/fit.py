@@ -588,16 +588,19 @@ def fit_host_gap(rows: list[dict]) -> dict | None:
             "gap_s": [float(x) for x in g], "loo_error_pct": loo, "source": "gaps.csv"}
 
 
-def pass_spread(path: Path) -> dict | None:
+def pass_spread(path: Path, rows: list[dict] | None = None) -> dict | None:
     """How far a profile's co-run points moved between passes (``corun_passes.csv`` from ``bullet profile
     --corun-passes``; None without one): of each point with two passes or more, (max - min) / median of its
-    time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass."""
+    time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass. With the
+    profile's ``rows``, also how many co-run rows are not the median of their passes (``not_median``) and how many
+    points with passes have no row (``no_row``): a passes run stopped before it wrote them (the shipped H200
+    Llama-3.1-8B profile of 2026-12-02 kept its first pass in 70 of 74 rows and lacked 18 points)."""
     if not path.exists():
         return None
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+        passes = list(csv.DictReader(f))
     by: dict[str, list[float]] = {}
-    for line, r in enumerate(rows, 2):
+    for line, r in enumerate(passes, 2):
         if r.get("reps") in (None, ""):  # a torn last line
             continue
         col = "step_s" if r.get("kind") == "decode" else "gpu_s"
@@ -612,8 +615,14 @@ def pass_spread(path: Path) -> dict | None:
         return None
     spread = [(v.max() - v.min()) / np.median(v) for v in multi]
     var = [np.var(v, ddof=1) / v.mean() ** 2 for v in multi]
-    return {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
-            "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
+    out = {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
+           "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
+    if rows is not None:
+        have = {r["id"]: r["step_s"] if is_decode(r) else r["gpu_s"] for r in rows if r["co_kind"]}
+        out["not_median"] = sum(pid in have and not math.isclose(have[pid], float(np.median(v)), rel_tol=1e-6)
+                                for pid, v in by.items())
+        out["no_row"] = sum(pid not in have for pid in by)
+    return out
 
 
 def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
@@ -638,7 +647,7 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
     gap = fit_host_gap(gaps)
     if gap is not None:
         model["host_gap"] = gap
-    if (spread := pass_spread(prof.folder / "corun_passes.csv")) is not None:
+    if (spread := pass_spread(prof.folder / "corun_passes.csv", prof.rows)) is not None:
         model["profile"]["corun_passes"] = spread
     return model
 
