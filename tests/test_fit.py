@@ -257,7 +257,10 @@ def test_eager_ramps_sit_on_the_measured_partition_sizes(real):
     rows = [r for r in real.rows if r["sms"] != 52]
     model = fit_model(real, rows)
     bases = {b for _, b in model["families"]["eager"]["terms"] if b.startswith("r")}
-    assert bases == {"r20_20_36", "r20_36_68", "r20_68_84", "r20_84_100", "r20_100_116", "r20_116_0"}
+    sizes = sorted({r["sms"] for r in rows if not r["co_kind"] and r["kind"] != "decode"} - {real.num_sms})
+    assert 52 not in sizes and bases == set(ramp_bases(sizes))
+    below, above = max(s for s in sizes if s < 52), min(s for s in sizes if s > 52)
+    assert f"r20_{below}_{above}" in bases  # (the shipped profile: 44 and 60)
     lin = FittedModel(model).f["eager"]
     for q, tab in zip(lin.quantities, lin.lists):
         assert np.all(np.diff(tab[1:132]) <= 0), q  # partitions 1..131; the whole GPU has its own terms
@@ -446,13 +449,13 @@ def test_held_out_accuracy_on_the_h200_profile(real):
 
 def test_interior_loso_never_holds_out_an_end_size(real):
     """Interior loso holds out what loso does at each SM count, except a lane's smallest and largest size
-    (on the shipped quick profile: prefill 20 and 124, decode 8 and 104), which it never holds out; the whole
-    GPU is held out by neither."""
+    (on the shipped profile, measured on every menu size: prefill 20 and 124, decode 8 and 112), which it never
+    holds out; the whole GPU is held out by neither."""
     ends = end_sizes(real.rows)
-    assert ends == {"prefill": {20, 124}, "decode": {8, 104}}
+    assert ends == {"prefill": {20, 124}, "decode": {8, 112}}
     loso = {name: held for name, split, held in folds(real) if split == "loso"}
     interior = {name: held for name, split, held in folds(real) if split == "interior"}
-    assert set(interior) == {f"{n} (interior)" for n in loso} - {f"{s} SMs (interior)" for s in (8, 20, 104, 124)}
+    assert set(interior) == {f"{n} (interior)" for n in loso} - {f"{s} SMs (interior)" for s in (8, 20, 112, 124)}
     for name, held in interior.items():
         rows = [r for r, h in zip(real.rows, held) if h]
         assert rows and all(r["sms"] not in ends[r["lane"]] for r in rows), name
