@@ -270,7 +270,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 6
+    assert data["version"] == 7
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -278,8 +278,9 @@ def test_other_model_versions(real_model):
     if shipped["version"] == 4:
         assert "own_flops_co_sm" not in {q for q, _ in shipped["families"]["co_eager"]["terms"]}
     FittedModel({**data, "version": 5})  # version 5: the shipped files' (no grid basis)
-    with pytest.raises(ConfigError, match=r"version 7, this bullet reads versions 1, 2, 3, 4, 5, 6: refit it"):
-        FittedModel({**data, "version": 7})
+    FittedModel({**data, "version": 6})  # version 6: no tensor-core co-runner term
+    with pytest.raises(ConfigError, match=r"version 8, this bullet reads versions 1, 2, 3, 4, 5, 6, 7: refit it"):
+        FittedModel({**data, "version": 8})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
@@ -774,6 +775,43 @@ def test_power_terms_by_hand():
                                                                   for n in menu]
 
 
+def test_tensor_core_co_runner_term_by_hand():
+    """``co_tc_co_sm`` (format version 7): 1 beside a decode step of 2 rows or more (tensor-core GEMMs) x the
+    co-runner's SM share; 0 beside a one-row step (the fused GEMV) or an eager launch. Array path = scalar."""
+    fm = truth_model()
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in TRUE.items()}
+    pre = Work(32, 3000, 1, 3000 * 3001 / 2, 3000, 1, True, 3000)
+    two = Work(32, 2, 2, 2 * 500.0, 2 * 500, 2, True, 500)
+    one = Work(32, 1, 1, 500.0, 500, 1, True, 500)
+    fm1 = FittedModel({**fm.data, "version": 7,
+                       "families": {**fams, "co_eager": {"terms": [["co_tc_co_sm", "one"]], "coef": [0.2]}}})
+    alone = fm1.predict(pre, 100)
+    assert fm1.predict(pre, 100, two, 32) == pytest.approx(alone * (1 + 0.2 * 32 / 132), rel=1e-12)
+    assert fm1.predict(pre, 100, one, 32) == alone
+    assert fm1.predict(pre, 100, pre, 32) == alone  # an eager co-runner has no decode GEMMs
+    menu = np.array([20, 60, 92, 100, 124])
+    for co in (one, two):
+        assert fm1.predict(pre, menu, co, 132 - menu).tolist() == [fm1.predict(pre, int(n), co, 132 - int(n))
+                                                                   for n in menu]
+
+
+def test_fitting_recovers_the_tensor_core_term_without_a_gemm_table(tmp_path):
+    """A synthetic profile without gemm.csv whose co-run prefills slow by known weights, the tensor-core term among
+    them: the default terms take ``co_tc_co_sm`` in place of ``co_gemm_co_sm`` (0 without a table), and the fit
+    recovers the weights."""
+    truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
+                                  (("own_flops_co_sm", "one"), 0.9), (("co_tc_co_sm", "one"), 0.2)]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 7, "families": fams})
+    prof = load_profile(synthetic_profile(tmp_path / "synthetic", fm))
+    assert prof.gemm is None
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
+                                                                  abs=1e-9)
+    terms = [tuple(t) for t in fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]]
+    assert ("co_tc_co_sm", "one") in terms and ("co_gemm_co_sm", "one") not in terms
+
+
 def test_fitting_recovers_the_power_terms(tmp_path, real):
     """A synthetic profile whose co-run prefills slow by known weights of the version-5 power terms (with a GEMM
     table, so that co_gemm_co_sm is not 0) beside the older ones: the fit (weighted to relative error) recovers
@@ -791,8 +829,9 @@ def test_fitting_recovers_the_power_terms(tmp_path, real):
     model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
     assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
                                                                   abs=1e-9)
-    # the default terms carry them
-    assert ["own_flops_co_sm", "one"] in fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    # the default terms carry them (with a table: its GEMM share, not the tensor-core indicator)
+    terms = fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    assert ["own_flops_co_sm", "one"] in terms and ["co_tc_co_sm", "one"] not in terms
     path = tmp_path / "model.json"
     write_model({**model, "fitted": "test", "profile": {}, "errors": {}}, path)
     a, b = FittedModel(model), FittedModel.load(path, LLAMA, GPUS["h200"])

@@ -77,7 +77,9 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
     """The terms of every family. ``eager_sms``: the partition sizes (below the whole GPU) that solo prefill or
     mixed points were measured on; with any, the eager family's quantities take one ramp per size (a
     non-increasing weight per size, interpolated in 1/n between them), else the ``k<K>`` bases. ``gemm``: the
-    profile has a measured GEMM table (``gemm.csv``): the decode families take its time as one more term."""
+    profile has a measured GEMM table (``gemm.csv``): the decode families take its time as one more term, and the
+    co-run prefill its co-runner's GEMM share (``co_gemm_co_sm``; without a table, ``co_tc_co_sm``: whether the
+    co-runner runs GEMMs on the tensor cores at all)."""
     ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
     dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
     dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
@@ -101,9 +103,11 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
         eager += [("eager_tokens", b) for b in ks]
         eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
                   ("samples", "one"), ("layers", "one"), ("launch", "one")]
+    # the co-runner's tensor cores: its measured GEMM share where there is a table, else whether it has GEMMs at all
+    co_eager = [(q, "one") for q in CO_EAGER_Q if q != ("co_tc_co_sm" if gemm else "co_gemm_co_sm")]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
-            "co_eager": [(q, "one") for q in CO_EAGER_Q], "co_decode": [(q, "one") for q in CO_DECODE_Q]}
+            "co_eager": co_eager, "co_decode": [(q, "one") for q in CO_DECODE_Q]}
 
 
 # ---------------------------------------------------------------------------------------------- loading
