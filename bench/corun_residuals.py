@@ -88,7 +88,7 @@ def parts(fm: FittedModel, r: dict, twin: float) -> tuple[float, float, float]:
 
 def group(p: dict) -> dict[str, str]:
     rows = p["co_seqs"]
-    return {"prefill SMs": str(p["sms"]),
+    return {"prefill SMs (the decode lane has the rest)": str(p["sms"]),
             "co-runner rows": "1" if rows == 1 else "2-8" if rows <= 8 else "16-64" if rows <= 64 else "128",
             "prompt tokens": "512-1024" if p["tokens"] <= 1024 else "1536-4096" if p["tokens"] <= 4096 else "6144-8192",
             "layers": str(p["layers"])}
@@ -118,7 +118,7 @@ def residuals(prof) -> dict[str, list[float]]:
         for pid, e in errs.items():
             for key, val in group(by_id[pid]).items():
                 cells[(key, val)].append(e)
-        for key in ("prefill SMs", "co-runner rows", "prompt tokens", "layers"):
+        for key in ("prefill SMs (the decode lane has the rest)", "co-runner rows", "prompt tokens", "layers"):
             vals = sorted({v for k, v in cells if k == key}, key=lambda v: (len(v), v))
             print(f"     by {key}: " + "  ".join(
                 f"{v}: {len(cells[(key, v)])} {100 * np.abs(np.array(cells[(key, v)])[:, 0]).mean():.1f} "
@@ -131,7 +131,9 @@ def residuals(prof) -> dict[str, list[float]]:
     return out["interior"]
 
 
-def noise(prof, interior: dict) -> None:
+def noise(prof, interior: dict, first_card: set[str]) -> None:
+    """``first_card``: the co-run ids whose first pass was measured on another card (the rows points.csv had
+    before the re-measurement's passes): one pass's sd is taken from their later passes only."""
     path = prof.folder / PASSES_FILE
     if not path.exists():
         print("\n2. noise: no corun_passes.csv")
@@ -149,7 +151,7 @@ def noise(prof, interior: dict) -> None:
         # one pass's sd from passes on the same card: 2 and 3 of a shipped point, 1 and 2 of a new one (measured
         # after the re-measurement began); the shipped points' first pass is the older card's
         same = [np.log(float(ps[-1][col[kind]]) / float(ps[-2][col[kind]])) for ps in passes.values()
-                if ps[0]["kind"] == kind and len(ps) >= 2 and (len(ps) == 3 or ps[0]["id"] not in old_ids(prof))]
+                if ps[0]["kind"] == kind and len(ps) - (ps[0]["id"] in first_card) >= 2]
         sd_same[kind] = float(np.std(same, ddof=1) / np.sqrt(2))
         print(f"   {kind}: " + "; ".join(cells) + f"; one pass's sd on one card {100 * sd_same[kind]:.2f} % "
               f"({len(same)} pairs)")
@@ -184,13 +186,6 @@ def noise(prof, interior: dict) -> None:
                                           for k, v in sorted(by_k.items())))
 
 
-def old_ids(prof) -> set[str]:
-    """Co-run ids of the shipped profile before the re-measurement (their first pass is the older card's): those
-    with three passes or with a row in points.csv as read."""
-    return {pid for pid, ps in read_passes(prof.folder / PASSES_FILE).items()
-            if len(ps) == 3 or pid in prof.meta.get("_rows_ids", ())}
-
-
 def seeds(prof, n: int) -> None:
     print(f"\n3. random 20 % split, seeds 0..{n - 1}: MAPE % (points) per seed, then pooled")
     pooled, over = defaultdict(list), defaultdict(int)
@@ -218,12 +213,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     a = ap.parse_args()
     prof = load_profile(a.profile)
-    prof.meta["_rows_ids"] = {r["id"] for r in prof.rows if r["co_kind"]}
+    first_card = {r["id"] for r in prof.rows if r["co_kind"]}  # (the shipped profile: its rows are their 1st pass)
     if a.medians and (prof.folder / PASSES_FILE).exists():
         prof = with_medians(prof)
     print(f"=== {a.profile}: {len(prof.rows)} points" + (", co-run rows the median of their passes" if a.medians else ""))
     interior = residuals(prof)
-    noise(prof, interior)
+    noise(prof, interior, first_card)
     seeds(prof, a.seeds)
 
 
