@@ -723,6 +723,11 @@ def print_fit_table(model: dict, console: Console) -> None:
         console.print(f"co-run points measured in passes ({spread['source']}): {spread['points']} points, up to "
                       f"{spread['passes']} passes each; (max - min) / median {100 * spread['spread_mean']:.1f} % "
                       f"mean, one pass's sd {100 * spread['pass_sd']:.1f} % (pooled)", highlight=False)
+        if spread.get("not_median") or spread.get("no_row"):
+            console.print(f"warning: {spread['not_median']} co-run rows of points.csv are not the median of their "
+                          f"passes and {spread['no_row']} points with passes have no row (a passes run stopped "
+                          "before it wrote them; the next `bullet profile` run on the folder writes them): this "
+                          "fit is of those rows", highlight=False)
     gap = model.get("host_gap")
     if gap is not None:
         pts = ", ".join(f"{n}: {g * 1e3:.3f} ms ({e:+.1f} %)"

@@ -33,6 +33,7 @@ from bullet.perfmodel.fit import (
     fit_profile,
     folds,
     load_profile,
+    pass_spread,
     predictions,
     work_of_row,
     write_model,
@@ -256,7 +257,10 @@ def test_eager_ramps_sit_on_the_measured_partition_sizes(real):
     rows = [r for r in real.rows if r["sms"] != 52]
     model = fit_model(real, rows)
     bases = {b for _, b in model["families"]["eager"]["terms"] if b.startswith("r")}
-    assert bases == {"r20_20_36", "r20_36_68", "r20_68_84", "r20_84_100", "r20_100_116", "r20_116_0"}
+    sizes = sorted({r["sms"] for r in rows if not r["co_kind"] and r["kind"] != "decode"} - {real.num_sms})
+    assert 52 not in sizes and bases == set(ramp_bases(sizes))
+    below, above = max(s for s in sizes if s < 52), min(s for s in sizes if s > 52)
+    assert f"r20_{below}_{above}" in bases  # (the shipped profile: 44 and 60)
     lin = FittedModel(model).f["eager"]
     for q, tab in zip(lin.quantities, lin.lists):
         assert np.all(np.diff(tab[1:132]) <= 0), q  # partitions 1..131; the whole GPU has its own terms
@@ -266,7 +270,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 6
+    assert data["version"] == 7
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -274,8 +278,9 @@ def test_other_model_versions(real_model):
     if shipped["version"] == 4:
         assert "own_flops_co_sm" not in {q for q, _ in shipped["families"]["co_eager"]["terms"]}
     FittedModel({**data, "version": 5})  # version 5: the shipped files' (no grid basis)
-    with pytest.raises(ConfigError, match=r"version 7, this bullet reads versions 1, 2, 3, 4, 5, 6: refit it"):
-        FittedModel({**data, "version": 7})
+    FittedModel({**data, "version": 6})  # version 6: no tensor-core co-runner term
+    with pytest.raises(ConfigError, match=r"version 8, this bullet reads versions 1, 2, 3, 4, 5, 6, 7: refit it"):
+        FittedModel({**data, "version": 8})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
@@ -445,13 +450,13 @@ def test_held_out_accuracy_on_the_h200_profile(real):
 
 def test_interior_loso_never_holds_out_an_end_size(real):
     """Interior loso holds out what loso does at each SM count, except a lane's smallest and largest size
-    (on the shipped quick profile: prefill 20 and 124, decode 8 and 104), which it never holds out; the whole
-    GPU is held out by neither."""
+    (on the shipped profile, measured on every menu size: prefill 20 and 124, decode 8 and 112), which it never
+    holds out; the whole GPU is held out by neither."""
     ends = end_sizes(real.rows)
-    assert ends == {"prefill": {20, 124}, "decode": {8, 104}}
+    assert ends == {"prefill": {20, 124}, "decode": {8, 112}}
     loso = {name: held for name, split, held in folds(real) if split == "loso"}
     interior = {name: held for name, split, held in folds(real) if split == "interior"}
-    assert set(interior) == {f"{n} (interior)" for n in loso} - {f"{s} SMs (interior)" for s in (8, 20, 104, 124)}
+    assert set(interior) == {f"{n} (interior)" for n in loso} - {f"{s} SMs (interior)" for s in (8, 20, 112, 124)}
     for name, held in interior.items():
         rows = [r for r, h in zip(real.rows, held) if h]
         assert rows and all(r["sms"] not in ends[r["lane"]] for r in rows), name
@@ -478,7 +483,7 @@ def test_a_profile_with_co_run_passes_fits_as_one_without(tmp_path, real):
     coefficients with and without it (an old profile has none), and the spread is the hand figure: two passes
     at t and 1.04 t, (max - min) / median = 0.04 / 1.02, one pass's sd 0.04 t / sqrt(2) / 1.02 t."""
     folder = copy_profile(tmp_path)
-    assert not (folder / "corun_passes.csv").exists()
+    (folder / "corun_passes.csv").unlink(missing_ok=True)  # (the shipped profile's own: replaced by a hand-made one)
     plain = fit_model(real, real.rows)
     co = [r for r in csv.DictReader((folder / "points.csv").open()) if r["co_kind"]]
     with (folder / "corun_passes.csv").open("w", newline="") as f:
@@ -497,6 +502,27 @@ def test_a_profile_with_co_run_passes_fits_as_one_without(tmp_path, real):
     assert spread["spread_mean"] == pytest.approx(0.04 / 1.02) and spread["pass_sd"] == pytest.approx(0.04 / 2**0.5 / 1.02)
     assert [c for fam in model["families"].values() for c in fam["coef"]] == \
         [c for fam in plain["families"].values() for c in fam["coef"]]
+    # the median of t and 1.04 t is no row's time: every co-run row is a pass, not the median
+    assert (spread["not_median"], spread["no_row"]) == (len(co), 0)
+
+
+def test_the_fit_counts_co_run_rows_that_are_not_the_median_of_their_passes(tmp_path, real):
+    """Rows that are the median of three passes (0.98 t, t, 1.05 t) count as such; a point with passes and no row
+    (a passes run stopped before writing it) is counted, and one row changed away from its median too."""
+    folder = copy_profile(tmp_path)
+    co = [r for r in csv.DictReader((folder / "points.csv").open()) if r["co_kind"]]
+    with (folder / "corun_passes.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["pass", *co[0]])
+        w.writeheader()
+        for r in co + [dict(co[0], id="a point with no row")]:
+            col = "step_s" if r["kind"] == "decode" else "gpu_s"
+            for k, x in enumerate((0.98, 1.0, 1.05), 1):
+                w.writerow({"pass": k, **r, col: repr(float(r[col]) * x)})
+    rows = load_profile(folder).rows
+    spread = pass_spread(folder / "corun_passes.csv", rows)
+    assert (spread["points"], spread["passes"], spread["not_median"], spread["no_row"]) == (len(co) + 1, 3, 0, 1)
+    moved = [dict(r, gpu_s=r["gpu_s"] * 1.01) if r["id"] == co[0]["id"] else r for r in rows]
+    assert pass_spread(folder / "corun_passes.csv", moved)["not_median"] == 1
 
 
 def test_held_out_points_are_not_fitted_on(real):
@@ -751,6 +777,43 @@ def test_power_terms_by_hand():
                                                                   for n in menu]
 
 
+def test_tensor_core_co_runner_term_by_hand():
+    """``co_tc_co_sm`` (format version 7): 1 beside a decode step of 2 rows or more (tensor-core GEMMs) x the
+    co-runner's SM share; 0 beside a one-row step (the fused GEMV) or an eager launch. Array path = scalar."""
+    fm = truth_model()
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in TRUE.items()}
+    pre = Work(32, 3000, 1, 3000 * 3001 / 2, 3000, 1, True, 3000)
+    two = Work(32, 2, 2, 2 * 500.0, 2 * 500, 2, True, 500)
+    one = Work(32, 1, 1, 500.0, 500, 1, True, 500)
+    fm1 = FittedModel({**fm.data, "version": 7,
+                       "families": {**fams, "co_eager": {"terms": [["co_tc_co_sm", "one"]], "coef": [0.2]}}})
+    alone = fm1.predict(pre, 100)
+    assert fm1.predict(pre, 100, two, 32) == pytest.approx(alone * (1 + 0.2 * 32 / 132), rel=1e-12)
+    assert fm1.predict(pre, 100, one, 32) == alone
+    assert fm1.predict(pre, 100, pre, 32) == alone  # an eager co-runner has no decode GEMMs
+    menu = np.array([20, 60, 92, 100, 124])
+    for co in (one, two):
+        assert fm1.predict(pre, menu, co, 132 - menu).tolist() == [fm1.predict(pre, int(n), co, 132 - int(n))
+                                                                   for n in menu]
+
+
+def test_fitting_recovers_the_tensor_core_term_without_a_gemm_table(tmp_path):
+    """A synthetic profile without gemm.csv whose co-run prefills slow by known weights, the tensor-core term among
+    them: the default terms take ``co_tc_co_sm`` in place of ``co_gemm_co_sm`` (0 without a table), and the fit
+    recovers the weights."""
+    truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
+                                  (("own_flops_co_sm", "one"), 0.9), (("co_tc_co_sm", "one"), 0.2)]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 7, "families": fams})
+    prof = load_profile(synthetic_profile(tmp_path / "synthetic", fm))
+    assert prof.gemm is None
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
+                                                                  abs=1e-9)
+    terms = [tuple(t) for t in fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]]
+    assert ("co_tc_co_sm", "one") in terms and ("co_gemm_co_sm", "one") not in terms
+
+
 def test_fitting_recovers_the_power_terms(tmp_path, real):
     """A synthetic profile whose co-run prefills slow by known weights of the version-5 power terms (with a GEMM
     table, so that co_gemm_co_sm is not 0) beside the older ones: the fit (weighted to relative error) recovers
@@ -768,8 +831,9 @@ def test_fitting_recovers_the_power_terms(tmp_path, real):
     model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
     assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
                                                                   abs=1e-9)
-    # the default terms carry them
-    assert ["own_flops_co_sm", "one"] in fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    # the default terms carry them (with a table: its GEMM share, not the tensor-core indicator)
+    terms = fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    assert ["own_flops_co_sm", "one"] in terms and ["co_tc_co_sm", "one"] not in terms
     path = tmp_path / "model.json"
     write_model({**model, "fitted": "test", "profile": {}, "errors": {}}, path)
     a, b = FittedModel(model), FittedModel.load(path, LLAMA, GPUS["h200"])

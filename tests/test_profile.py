@@ -18,6 +18,7 @@ from bullet.config import GPUS, MODELS, gpu_short_name
 from bullet.gpu.profile import (
     COLUMNS,
     PASSES_FILE,
+    Profiler,
     grid,
     read_gaps,
     read_passes,
@@ -191,18 +192,21 @@ def test_co_run_coverage_by_hand():
 
 def test_the_quick_grid_with_every_size_twins_and_more_co_runs():
     """The quick grid with --sizes all --twins --corun-min 4 on the H200: solo points on every menu size of both
-    lanes, the shipped profile's 426 points among its points (same ids: resuming measures only the new ones),
+    lanes, the quick grid's 426 points among its points (same ids: resuming measures only the new ones; the
+    shipped profile, resumed with --sizes all --twins --corun-min 3, holds the quick grid and lies within its own),
     each co-run shape also alone on its partition before the co-runs, and 4 co-run pairs at least on every
     decode size the co-runs use, each pair seen from both sides."""
     gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
     menu = (gpu.prefill_sizes, gpu.decode_sizes)
     shipped = {r["id"] for r in read_points(SHIPPED / "points.csv")}
-    assert {p.id for p in grid(spec, menu, True, kv_tokens=KV_H200)} == shipped
+    quick = {p.id for p in grid(spec, menu, True, kv_tokens=KV_H200)}
+    opts = json.loads((SHIPPED / "metadata.json").read_text()).get("grid_options", {})
+    assert quick <= shipped <= {p.id for p in grid(spec, menu, True, kv_tokens=KV_H200, **opts)}  # (a resumed grid)
     assert [p.id for p in grid(spec, menu, True, kv_tokens=KV_H200, sizes="alternate")] == \
         [p.id for p in grid(spec, menu, True, kv_tokens=KV_H200)]
     pts = grid(spec, menu, True, kv_tokens=KV_H200, sizes="all", twins=True, corun_min=4)
     ids = [p.id for p in pts]
-    assert shipped < set(ids)
+    assert quick < set(ids)
     for lane, sizes in (("prefill", gpu.prefill_sizes[:-1]), ("decode", gpu.decode_sizes[:-1])):
         assert {p.sms for p in pts if p.lane == lane and p.co is None} == set(sizes), lane
     # each line of the quick grid (a shape on all 7 alternate sizes of its lane) is on all 14 sizes now
@@ -264,6 +268,42 @@ def test_co_runs_in_passes_are_the_median_of_their_passes_and_resume(tmp_path):
         assert [p["pass"] for p in ps] == ["1", "2", "3"]
         assert float(rows[pid]["gpu_s"]) == pytest.approx(float(np.median([float(p["gpu_s"]) for p in ps])), rel=1e-8)
     assert json.loads((out / "metadata.json").read_text())["corun_passes"] == 3
+
+
+def test_a_run_stopped_inside_a_pass_leaves_points_csv_the_median_of_the_passes_measured(tmp_path, monkeypatch):
+    """A run stopped inside a pass (a device call's time limit): points.csv already holds every pass measured, each
+    co-run point's row the median of its passes so far, a point new to the grid included (before, the medians were
+    written only at the end: the shipped H200 profile kept its first pass's rows and lacked 18 new points)."""
+    out = tmp_path / "prof"
+    real, calls = Profiler.measure, []
+
+    def stops_at_the_second_co_run(self, pt):
+        if pt.co is not None:
+            calls.append(pt.id)
+            if len(calls) == 2:
+                raise RuntimeError("time limit")
+        return real(self, pt)
+
+    monkeypatch.setattr(Profiler, "measure", stops_at_the_second_co_run)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
+                                   "--corun-passes", "2"])
+    assert isinstance(res.exception, RuntimeError)
+    rows = {r["id"]: r for r in read_points(out / "points.csv")}
+    assert calls[0] in rows and calls[1] not in rows  # the co-run point measured has its row, pass 1 alone
+    assert rows[calls[0]]["gpu_s"] == read_passes(out / PASSES_FILE)[calls[0]][0]["gpu_s"]
+    monkeypatch.setattr(Profiler, "measure", real)
+    run(out, "--corun-passes", "2")  # finished
+    calls.clear()
+    monkeypatch.setattr(Profiler, "measure", stops_at_the_second_co_run)
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--model", "tiny-llama", "--out", str(out),
+                                   "--corun-passes", "3"])
+    assert isinstance(res.exception, RuntimeError)
+    rows, passes = {r["id"]: r for r in read_points(out / "points.csv")}, read_passes(out / PASSES_FILE)
+    assert [len(passes[pid]) for pid in calls] == [3, 2]
+    for pid in calls:  # the median of 3 where the third pass was measured, of 2 where the run stopped
+        med = float(np.median([float(p["gpu_s"]) for p in passes[pid]]))
+        assert float(rows[pid]["gpu_s"]) == pytest.approx(med, rel=1e-8), pid
+        assert int(rows[pid]["reps"]) == sum(int(p["reps"]) for p in passes[pid])
 
 
 def twin_of(pid: str) -> str:

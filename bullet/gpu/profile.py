@@ -881,8 +881,10 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
 def _measure_passes(prof: Profiler, out: Path, pts: Sequence[Point], have: dict[str, dict], passes: int,
                     report: Callable[[str], None]) -> tuple[int, int]:
     """``passes`` passes over the co-run points ``pts`` (each pass measures every point still short of it), each
-    row appended to corun_passes.csv; then each point's row in points.csv becomes the median of its passes.
-    Returns (runs measured, points that needed none)."""
+    row appended to corun_passes.csv, and the point's row in points.csv replaced by the median of its passes so
+    far at once: a run stopped at a time limit leaves points.csv with every pass measured (before, the medians were
+    written only at the end, so an interrupted run left the first pass's rows and no row for a new point). At the
+    end every point's row is the median of all its passes. Returns (runs measured, points that needed none)."""
     path = out / PASSES_FILE
     done = read_passes(path)
     if path.exists():  # rewrite without a torn tail before appending
@@ -900,13 +902,19 @@ def _measure_passes(prof: Profiler, out: Path, pts: Sequence[Point], have: dict[
                 _append(path, {"pass": len(done[pt.id]) + 1, **row}, PASS_COLUMNS)
                 done[pt.id].append(row)
                 runs += 1
+                _put_medians(out / "points.csv", {pt.id: done[pt.id]})
             report(pt.id)
-    medians = {pid: median_row(rows) for pid, rows in read_passes(path).items()
-               if pid in {pt.id for pt in pts} and len(rows) >= passes}
-    points = out / "points.csv"
-    rows = [medians.pop(r["id"], r) for r in read_points(points)]
-    _write_rows(points, rows + list(medians.values()))  # in place where a row was, else appended
+    ids = {pt.id for pt in pts}
+    _put_medians(out / "points.csv", {pid: rows for pid, rows in read_passes(path).items() if pid in ids})
     return runs, complete
+
+
+def _put_medians(points: Path, passes: dict[str, list[dict]]) -> None:
+    """Each point's row in ``points`` becomes the :func:`median_row` of its ``passes``: in place where it had a
+    row, else appended."""
+    medians = {pid: median_row(rows) for pid, rows in passes.items() if rows}
+    rows = [medians.pop(r["id"], r) for r in read_points(points)]
+    _write_rows(points, rows + list(medians.values()))
 
 
 def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int) -> dict:

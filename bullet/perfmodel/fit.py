@@ -77,7 +77,9 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
     """The terms of every family. ``eager_sms``: the partition sizes (below the whole GPU) that solo prefill or
     mixed points were measured on; with any, the eager family's quantities take one ramp per size (a
     non-increasing weight per size, interpolated in 1/n between them), else the ``k<K>`` bases. ``gemm``: the
-    profile has a measured GEMM table (``gemm.csv``): the decode families take its time as one more term."""
+    profile has a measured GEMM table (``gemm.csv``): the decode families take its time as one more term, and the
+    co-run prefill its co-runner's GEMM share (``co_gemm_co_sm``; without a table, ``co_tc_co_sm``: whether the
+    co-runner runs GEMMs on the tensor cores at all)."""
     ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
     dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
     dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
@@ -101,9 +103,11 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
         eager += [("eager_tokens", b) for b in ks]
         eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
                   ("samples", "one"), ("layers", "one"), ("launch", "one")]
+    # the co-runner's tensor cores: its measured GEMM share where there is a table, else whether it has GEMMs at all
+    co_eager = [(q, "one") for q in CO_EAGER_Q if q != ("co_tc_co_sm" if gemm else "co_gemm_co_sm")]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
-            "co_eager": [(q, "one") for q in CO_EAGER_Q], "co_decode": [(q, "one") for q in CO_DECODE_Q]}
+            "co_eager": co_eager, "co_decode": [(q, "one") for q in CO_DECODE_Q]}
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -588,16 +592,20 @@ def fit_host_gap(rows: list[dict]) -> dict | None:
             "gap_s": [float(x) for x in g], "loo_error_pct": loo, "source": "gaps.csv"}
 
 
-def pass_spread(path: Path) -> dict | None:
+def pass_spread(path: Path, rows: list[dict] | None = None) -> dict | None:
     """How far a profile's co-run points moved between passes (``corun_passes.csv`` from ``bullet profile
     --corun-passes``; None without one): of each point with two passes or more, (max - min) / median of its
-    time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass."""
+    time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass. With the
+    profile's ``rows``, also how many co-run rows are not the median of their passes (``not_median``) and how many
+    points with passes have no row (``no_row``): a passes run stopped before it wrote them (the shipped H200
+    Llama-3.1-8B profile of 2026-12-02 kept its first pass in all 74 rows, 69 of them not the median, and lacked
+    18 points)."""
     if not path.exists():
         return None
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+        passes = list(csv.DictReader(f))
     by: dict[str, list[float]] = {}
-    for line, r in enumerate(rows, 2):
+    for line, r in enumerate(passes, 2):
         if r.get("reps") in (None, ""):  # a torn last line
             continue
         col = "step_s" if r.get("kind") == "decode" else "gpu_s"
@@ -612,8 +620,14 @@ def pass_spread(path: Path) -> dict | None:
         return None
     spread = [(v.max() - v.min()) / np.median(v) for v in multi]
     var = [np.var(v, ddof=1) / v.mean() ** 2 for v in multi]
-    return {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
-            "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
+    out = {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
+           "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
+    if rows is not None:
+        have = {r["id"]: r["step_s"] if is_decode(r) else r["gpu_s"] for r in rows if r["co_kind"]}
+        out["not_median"] = sum(pid in have and not math.isclose(have[pid], float(np.median(v)), rel_tol=1e-6)
+                                for pid, v in by.items())
+        out["no_row"] = sum(pid not in have for pid in by)
+    return out
 
 
 def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None] | None = None) -> dict:
@@ -638,7 +652,7 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
     gap = fit_host_gap(gaps)
     if gap is not None:
         model["host_gap"] = gap
-    if (spread := pass_spread(prof.folder / "corun_passes.csv")) is not None:
+    if (spread := pass_spread(prof.folder / "corun_passes.csv", prof.rows)) is not None:
         model["profile"]["corun_passes"] = spread
     return model
 

@@ -85,11 +85,11 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 6  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 7  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
-# slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); older files read
-# unchanged
-READS = (1, 2, 3, 4, 5, 6)
+# slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
+# slowdown beside a tensor-core co-runner (``co_tc_co_sm``); older files read unchanged
+READS = (1, 2, 3, 4, 5, 6, 7)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -134,11 +134,22 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # 0 for a one-row step, whose fused GEMV runs on the CUDA cores, and without a table) x its SM share. On the shipped
 # Llama-3.1-8B H200 profile, with the fit weighted to relative error: co-run prefill held out, random 20 % / each
 # SM count, 4.5 / 4.2 -> 2.7 / 3.3 % (40 random splits: 4.0 -> 3.4 %); co_bw's weight falls to ~0.
-CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm")
+# Version 7: ``co_tc_co_sm``, 1 beside a decode co-runner of 2 rows or more (its GEMMs run on the tensor cores; a
+# one-row step runs the fused GEMV on the CUDA cores) x its SM share: what ``co_gemm_co_sm`` tells without a GEMM
+# table (the fit takes one or the other). The H200 Qwen3-8B profile (no gemm.csv; 2 of its 28 co-run prefills beside
+# a one-row step, predicted 7-24 % slow): co-run prefill held out, interior 4.00 -> 3.46 %, random over 20 seeds
+# 4.26 -> 3.21 % (bench/RESULTS.md, "Co-run prefill on the re-measured profile").
+CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm")
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
-CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm")  # every contention
-# quantity (FittedModel.co_features), in the order FittedModel._co_scalar builds them
+# every contention quantity (FittedModel.co_features), in the order FittedModel._co_scalar builds them
+CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm")
 SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
+
+
+def tensor_cores(co: Work) -> float:
+    """1 for a decode step of 2 rows or more, whose GEMMs run on the tensor cores (the skinny kernel or cuBLAS); 0
+    for a one-row step (the fused GEMV, on the CUDA cores) or an eager launch (``co_tc_co_sm``)."""
+    return 1.0 if co.tokens == co.seqs and co.seqs >= 2 else 0.0
 
 
 class ModelMismatch(ConfigError):
@@ -570,7 +581,7 @@ class FittedModel:
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
         self._sm_only = {name for name in ("co_decode", "co_eager")
                          if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw",
-                                                                 "own_flops_co_sm", "co_gemm_co_sm"}}
+                                                                 "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm"}}
         # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
         self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
@@ -880,11 +891,12 @@ class FittedModel:
             g = np.where(on, self._gemm_seconds(co, c1) / alone, 0.0)
             return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N, "own_bw_co_bw": own * u,
                     "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N), "own_flops_co_sm": own_fl * (csm / N),
-                    "co_gemm_co_sm": g * (csm / N)}
+                    "co_gemm_co_sm": g * (csm / N), "co_tc_co_sm": tensor_cores(co) * (csm / N)}
         u = self._co_demand(co, co_sms)
         return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
                 "sm_bw_co_sm": sm_bw[n] * (co_sms / N), "own_flops_co_sm": own_fl * (co_sms / N),
-                "co_gemm_co_sm": self._co_gemm_share(co, co_sms) * (co_sms / N)}
+                "co_gemm_co_sm": self._co_gemm_share(co, co_sms) * (co_sms / N),
+                "co_tc_co_sm": tensor_cores(co) * (co_sms / N)}
 
     def _gemm_seconds(self, co: Work, co_sms):
         """Seconds a decode co-runner's layers spend in the measured GEMM table's products on ``co_sms`` SMs (int
@@ -922,7 +934,7 @@ class FittedModel:
         (u, g), N = self._co_of(co, co_sms), self.num_sms
         m = co_sms / N
         x = (u, u * (n / N), m, own * u, (self._sm_bw_table or self._sm_bw())[n] * m, own_fl * m,
-             g * m if family in self._gemm_fams else 0.0)
+             g * m if family in self._gemm_fams else 0.0, tensor_cores(co) * m)
         s = 0.0
         for i, w in terms:
             s += x[i] * w
