@@ -335,9 +335,9 @@ class Bullet(LayerSliced):
         if self.cfg.overload_deferral and target < math.inf and self._shed_on_arrival(req):
             self._shed.add(req.id)
             self.num_shed += 1
-        first = (deadline, req.id, req.known, req)  # (and _order's max-heap item: longest, then latest due)
-        keys = self._queued[req.id] = (first + ((-req.known, -deadline, -req.id, first),),
-                                       (req.known, req.id, deadline, req))
+        i, known = req.id, req.known
+        first = (deadline, i, known, req)  # (and below, with _order's max-heap item: longest, then latest due)
+        keys = self._queued[i] = ((deadline, i, known, req, (-known, -deadline, -i, first)), (known, i, deadline, req))
         insort(self._by_deadline, keys[0])
         insort(self._by_length, keys[1])
 
@@ -853,8 +853,8 @@ class Bullet(LayerSliced):
         moves little between decisions): two predictions when it still holds, else bisection over the side
         they leave (above it when it misses, below the size under it when that fits). With ``fits`` monotone
         in the size, as bisection assumes, the answer is bisection's over all of ``sizes``."""
-        i, lo, hi = self._last.get(search), 0, len(sizes) - 1
-        top = True  # whether fits(sizes[hi]) is still to be asked
+        i = self._last.get(search)
+        lo, hi, top = 0, len(sizes) - 1, True  # (top: whether fits(sizes[hi]) is still to be asked)
         if i is not None and i <= hi:
             if not fits(sizes[i]):
                 lo = i + 1
@@ -931,15 +931,16 @@ class Bullet(LayerSliced):
         if self._shed and self._lull(now):
             self._shed.clear()
         shed, by_deadline = self._shed, self._by_deadline
+        if len(by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
+            deadline, i, known, _, _ = by_deadline[0]
+            cost = known * per_token
+            if now + cost <= deadline and not (0 <= -free < len(releases) and releases[-free] + cost > deadline) \
+                    and not (shed and i in shed):
+                return
         # seats[c]: when the c-th request kept (from 0) gets its seat: release c - free (-inf: a seat is free now)
         seats = releases[-free:] if free < 0 else [-math.inf] * min(free, len(by_deadline)) + releases
         if len(seats) < len(by_deadline):
             seats += [-math.inf] * (len(by_deadline) - len(seats))
-        if len(by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
-            deadline, i, known, _, _ = by_deadline[0]
-            cost = known * per_token
-            if now + cost <= deadline and seats[0] + cost <= deadline and not (shed and i in shed):
-                return
         # Moore-Hodgson: add requests in deadline order (a job is ordered when the prefill lane is free: from
         # now); when one would end past its deadline, drop the longest prompt kept so far (the latest due among
         # equals: perhaps itself) to the late set. On one machine that leaves the fewest requests late.
