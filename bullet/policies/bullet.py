@@ -224,25 +224,13 @@ class DecodeArrays:
             self._sorted = np.sort(self.left[:self.size][self.live[:self.size]])
         return self._sorted
 
-    def gathered_work(self) -> Work | None:
-        """The decoding requests' next-step Work as the last :meth:`view` gathered it, if nothing changed since."""
-        return None if self._kept is None else self._kept[0]
+    def work(self, num_layers: int) -> Work:
+        """The decoding requests' next-step Work (gathered as :meth:`view` gathers it, and kept for it)."""
+        return self._gathered(num_layers)[0]
 
     def view(self, now: float, lend: bool, cap: float, pace: float, num_layers: int) -> DecodeView:
         """:meth:`Bullet._view` over every decoding request."""
-        kept = self._kept
-        if kept is None:
-            dec, tot, a0, t1 = self._decoding()
-            left = self.left[dec]
-            comp = tot - left
-            n = len(dec)
-            kv = int(comp.sum()) + n
-            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
-            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
-            if np.count_nonzero(timed) < n:
-                left, a0, t1 = left[timed], a0[timed], t1[timed]
-            kept = self._kept = (work, left, a0, t1)
-        work, left, a0, t1 = kept
+        work, left, a0, t1 = self._gathered(num_layers)
         if self.tpot is None or not len(left):
             return DecodeView(work, math.inf, math.inf)
         a = a0 - (now - t1)
@@ -257,6 +245,22 @@ class DecodeArrays:
             return DecodeView(work, best, best)
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
         return DecodeView(work, best, float(x.min()))
+
+    def _gathered(self, num_layers: int) -> tuple:
+        """(the decoding requests' next-step Work, and left, a0, t1 of those with tokens left), once per change."""
+        kept = self._kept
+        if kept is None:
+            dec, tot, a0, t1 = self._decoding()
+            left = self.left[dec]
+            comp = tot - left
+            n = len(dec)
+            kv = int(comp.sum()) + n
+            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
+            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
+            if np.count_nonzero(timed) < n:
+                left, a0, t1 = left[timed], a0[timed], t1[timed]
+            kept = self._kept = (work, left, a0, t1)
+        return kept
 
 
 class Bullet(LayerSliced):
@@ -983,10 +987,8 @@ class Bullet(LayerSliced):
         free = self.cfg.max_num_seqs - len(self.running) - back
         if fresh <= free:
             return free, []
-        arrays = self._decode_arrays()
-        work = arrays.gathered_work() if arrays is not None else None
-        if work is None:
-            work = self._view(self.running, now).work
+        arrays = self._decode_arrays()  # (the arrays' Work: gathered once for this and the decision's view)
+        work = arrays.work(self.model.num_layers) if arrays is not None else self._view(self.running, now).work
         if not work.seqs:
             return free, []
         d = self._decode_sms()
