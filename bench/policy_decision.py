@@ -1,9 +1,9 @@
 """What one ``bullet`` decision costs on the host: 256 requests decoding and 64 queued (Llama-3.1-8B on an
 H200, roofline or fitted latency model), timed with ``timeit`` over the pieces a launch decision runs:
 the split for a prefill slice (TPOT step budgets, the decode size by bisection, the TTFT risk check and the
-pause check), the queue order (EDF with lateness) and the decode lane's idle decoders. The split is timed as a
-launch meets it (a decode launch came back since the last view: the arrays advanced, the view gathered
-afresh) and with the decoding requests unchanged (the gathered arrays reused).
+pause check), the queue order (EDF with lateness) and the decode lane's idle decoders. The split and the queue
+order are timed as a launch meets them (a decode launch came back since the last view: the arrays advanced, the
+view and the seat releases gathered afresh) and with the decoding requests unchanged (the gathered arrays reused).
 
     python3 bench/policy_decision.py [--latency roofline|fitted|PATH] [--running 256] [--waiting 64]
 """
@@ -97,6 +97,8 @@ def main() -> None:
         "(_prefill_want), predictions not cached, searches warm-started": lambda: new_job(False),
         "  ... searches cold (no earlier answer)": lambda: new_job(True),
         f"queue order, {len(sched.waiting)} waiting (_order)": lambda: sched._order(now),
+        "  ... after a decode launch came back (advance + _order: the seat releases gathered afresh)":
+            lambda: (came_back(), sched._order(now)),
         "decode lane: idle decoders (_decoders)": sched._decoders,
     }
     print(f"bullet decision cost: {view.work.seqs} decoding, {len(sched.waiting)} waiting, latency "

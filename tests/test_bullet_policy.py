@@ -422,7 +422,8 @@ def test_abort_of_a_queued_request_forgets_its_deadline():
 def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
     """Random joins (some with no token out yet), decode launches coming back (a random subset, or every
     decoding request), first tokens, finishes and preemptions: after each, the array view equals the Python
-    pass over the same requests to the bit (Work, budget, loan), at several clocks."""
+    pass over the same requests to the bit (Work, budget, loan), at several clocks, and the sorted tokens left
+    (the seat releases') equal a fresh sort."""
     from bullet.policies.bullet import DecodeArrays
 
     sched, _ = make(SloConfig(tpot=tpot), max_num_seqs=seats)
@@ -463,6 +464,7 @@ def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
             lend = tpot is not None and len(live) < 0.75 * seats
             cap, pace = (1.3 * tpot, 0.95 * tpot) if lend else (0.0, 0.0)
             assert arrays.view(now, lend, cap, pace, L) == sched._view(list(live), now)
+        assert arrays.sorted_left().tolist() == sorted(r.max_new_tokens - r.num_output for r in live)
 
 
 def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
@@ -494,7 +496,8 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
     def checked_order(self, now):
         k = sum(1 for r in self.waiting if r.id in self.rank)
         fresh = list(self.waiting)[k:]
-        assert self._by_deadline == sorted((self.deadline[r.id], r.id, r.known, r) for r in fresh)
+        assert [e[:4] for e in self._by_deadline] == sorted((self.deadline[r.id], r.id, r.known, r) for r in fresh)
+        assert all(e[4] == (-e[2], -e[0], -e[1], e[:4]) for e in self._by_deadline)
         assert self._by_length == sorted((r.known, r.id, self.deadline[r.id], r) for r in fresh)
         seen["orders"] += bool(fresh)
         return order(self, now)

@@ -151,11 +151,18 @@ class DecodeArrays:
         self.size = 0  # slots ever used: the arrays' live prefix
         self.live = np.zeros(64, bool)  # the slot holds a running request
         self.dec = np.zeros(64, bool)  # the slot holds a running request with a token out (decoding)
-        self.comp = np.zeros(64, np.int64)  # num_computed
         self.left = np.zeros(64, np.int64)  # max_new_tokens - num_output
+        # num_computed + left: fixed while a request decodes (a step adds one to the first, takes one from the
+        # second), so a decode launch coming back changes one array; num_computed is tot - left
+        self.tot = np.zeros(64, np.int64)
         self.t1 = np.zeros(64)  # first_token_time (nan: none yet)
         self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
-        self._kept: tuple | None = None  # the decoding slots' values, gathered once per change
+        # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
+        # until a request joins, leaves or syncs; their view's inputs (work, left, a0, t1), until any change; the
+        # running requests' tokens left, sorted (_seat_releases)
+        self._dec: tuple | None = None
+        self._kept: tuple | None = None
+        self._sorted: np.ndarray | None = None
         for r in reqs:
             self.join(r)
 
@@ -165,7 +172,7 @@ class DecodeArrays:
         else:
             s, self.size = self.size, self.size + 1
             if s == len(self.dec):  # grow: double every array
-                for name in ("live", "dec", "comp", "left", "t1", "a0"):
+                for name in ("live", "dec", "left", "tot", "t1", "a0"):
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.slot[r.id] = s
@@ -177,7 +184,7 @@ class DecodeArrays:
         if s is not None:
             self.live[s] = self.dec[s] = False
             heapq.heappush(self.free, s)
-            self._kept = None
+            self._dec = self._kept = self._sorted = None
 
     def sync(self, r: Request) -> None:
         """Copy ``r``'s progress into its slot (it joined, or a result changed it)."""
@@ -185,46 +192,50 @@ class DecodeArrays:
         if s is None:
             return
         self.dec[s] = r.num_output > 0
-        self.comp[s] = r.num_computed
-        self.left[s] = r.max_new_tokens - r.num_output
+        left = self.left[s] = r.max_new_tokens - r.num_output
+        self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
-        self._kept = None
+        self._dec = self._kept = self._sorted = None
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
         if len(reqs) == int(np.count_nonzero(self.dec[:self.size])):
-            return np.flatnonzero(self.dec[:self.size])
+            return self._decoding()[0]
         slot = self.slot
         return np.fromiter((slot[r.id] for r in reqs), np.intp, len(reqs))
 
     def advance(self, slots: np.ndarray, steps: int) -> None:
         """The requests in ``slots`` each decoded ``steps`` tokens (a decode launch came back)."""
-        self.comp[slots] += steps
         self.left[slots] -= steps
-        self._kept = None
+        self._kept = self._sorted = None
 
-    def gathered_work(self) -> Work | None:
-        """The decoding requests' next-step Work as the last :meth:`view` gathered it, if nothing changed since."""
-        return None if self._kept is None else self._kept[0]
+    def _decoding(self) -> tuple:
+        """(the decoding slots, their tot, a0 and t1), gathered once until a request joins, leaves or syncs."""
+        g = self._dec
+        if g is None:  # (index arrays: a take costs less than a boolean mask's gather)
+            dec = np.flatnonzero(self.dec[:self.size])
+            g = self._dec = (dec, self.tot[dec], self.a0[dec], self.t1[dec])
+        return g
+
+    def sorted_left(self) -> np.ndarray:
+        """Every running request's tokens left, sorted (gathered once per change)."""
+        if self._sorted is None:
+            self._sorted = np.sort(self.left[:self.size][self.live[:self.size]])
+        return self._sorted
+
+    def work(self, num_layers: int) -> Work:
+        """The decoding requests' next-step Work (gathered as :meth:`view` gathers it, and kept for it)."""
+        return self._gathered(num_layers)[0]
 
     def view(self, now: float, lend: bool, cap: float, pace: float, num_layers: int) -> DecodeView:
         """:meth:`Bullet._view` over every decoding request."""
-        kept = self._kept
-        if kept is None:
-            dec = self.dec[:self.size]
-            comp, left = self.comp[:self.size][dec], self.left[:self.size][dec]
-            n = len(comp)
-            kv = int(comp.sum()) + n
-            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
-            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
-            kept = self._kept = (work, left[timed], self.a0[:self.size][dec][timed], self.t1[:self.size][dec][timed])
-        work, left, a0, t1 = kept
+        work, left, a0, t1 = self._gathered(num_layers)
         if self.tpot is None or not len(left):
             return DecodeView(work, math.inf, math.inf)
         a = a0 - (now - t1)
         on = a > 0
-        if not on.all():
+        if np.count_nonzero(on) < len(on):
             a, left = a[on], left[on]
             if not len(a):
                 return DecodeView(work, math.inf, math.inf)
@@ -234,6 +245,22 @@ class DecodeArrays:
             return DecodeView(work, best, best)
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
         return DecodeView(work, best, float(x.min()))
+
+    def _gathered(self, num_layers: int) -> tuple:
+        """(the decoding requests' next-step Work, and left, a0, t1 of those with tokens left), once per change."""
+        kept = self._kept
+        if kept is None:
+            dec, tot, a0, t1 = self._decoding()
+            left = self.left[dec]
+            comp = tot - left
+            n = len(dec)
+            kv = int(comp.sum()) + n
+            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
+            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
+            if np.count_nonzero(timed) < n:
+                left, a0, t1 = left[timed], a0[timed], t1[timed]
+            kept = self._kept = (work, left, a0, t1)
+        return kept
 
 
 class Bullet(LayerSliced):
@@ -278,8 +305,9 @@ class Bullet(LayerSliced):
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
         self._late: set[int] = set()  # those of them still held (each is counted once)
         # the fresh part of the queue (never admitted), kept sorted for _order: by (TTFT deadline, id) and by
-        # (known tokens, id), each entry with the other of the two; neither changes while a request waits
-        self._by_deadline: list[tuple[float, int, int, Request]] = []
+        # (known tokens, id), each entry with the other of the two (and the first with _order's heap item, made
+        # once); neither changes while a request waits
+        self._by_deadline: list[tuple[float, int, int, Request, tuple]] = []
         self._by_length: list[tuple[int, int, float, Request]] = []
         self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
         self._arrays: DecodeArrays | None = None  # while many requests run (ARRAYS_FROM)
@@ -311,7 +339,9 @@ class Bullet(LayerSliced):
         if self.cfg.overload_deferral and target < math.inf and self._shed_on_arrival(req):
             self._shed.add(req.id)
             self.num_shed += 1
-        keys = self._queued[req.id] = ((deadline, req.id, req.known, req), (req.known, req.id, deadline, req))
+        i, known = req.id, req.known
+        first = (deadline, i, known, req)  # (and below, with _order's max-heap item: longest, then latest due)
+        keys = self._queued[i] = ((deadline, i, known, req, (-known, -deadline, -i, first)), (known, i, deadline, req))
         insort(self._by_deadline, keys[0])
         insort(self._by_length, keys[1])
 
@@ -824,19 +854,28 @@ class Bullet(LayerSliced):
     def _smallest(self, sizes: list[int], fits, search: str) -> int:
         """The smallest of ascending ``sizes`` for which ``fits(size)`` holds (the largest if none does),
         by bisection: predicted time falls as SMs grow. Starts from this ``search``'s last answer (the split
-        moves little between decisions): two predictions when it still holds. With ``fits`` monotone in the
-        size, as bisection assumes, the answer is bisection's."""
+        moves little between decisions): two predictions when it still holds, else bisection over the side
+        they leave (above it when it misses, below the size under it when that fits). With ``fits`` monotone
+        in the size, as bisection assumes, the answer is bisection's over all of ``sizes``."""
         i = self._last.get(search)
-        if i is not None and i < len(sizes) and fits(sizes[i]) and (i == 0 or not fits(sizes[i - 1])):
-            return sizes[i]
-        self._last[search] = i = self._bisect(sizes, fits)
+        lo, hi, top = 0, len(sizes) - 1, True  # (top: whether fits(sizes[hi]) is still to be asked)
+        if i is not None and i <= hi:
+            if not fits(sizes[i]):
+                lo = i + 1
+            elif i == 0 or not fits(sizes[i - 1]):
+                return sizes[i]
+            else:
+                hi, top = i - 1, False
+        self._last[search] = i = self._bisect(sizes, fits, lo, hi, top)
         return sizes[i]
 
     @staticmethod
-    def _bisect(sizes: list[int], fits) -> int:
-        """The index :meth:`_smallest` answers, by bisection alone."""
-        lo, hi = 0, len(sizes) - 1
-        if not fits(sizes[hi]):
+    def _bisect(sizes: list[int], fits, lo: int = 0, hi: int | None = None, top: bool = True) -> int:
+        """The index :meth:`_smallest` answers, by bisection alone over ``sizes[lo:hi + 1]`` (``top``: whether
+        ``fits(sizes[hi])`` is still to be asked; if it fails, ``hi``)."""
+        if hi is None:
+            hi = len(sizes) - 1
+        if lo > hi or (top and not fits(sizes[hi])):  # (lo > hi: the last answer, the largest, missed)
             return hi
         while lo < hi:
             mid = (lo + hi) // 2
@@ -846,16 +885,26 @@ class Bullet(LayerSliced):
                 lo = mid + 1
         return lo
 
-    def _decode_knee(self, work: Work, co: Work | None, slack: float | None = None, search: str = "decode_knee") -> int:
+    def _decode_knee(self, work: Work, co: Work | None, slack: float | None = None, search: str = "decode_knee",
+                     seen: dict[int, float] | None = None) -> int:
         """The decode size past which more SMs barely speed ``work`` up (within ``slack`` of the largest
         size's step; None: ``KNEE``, read when called): memory-bound decode saturates HBM well before it has every SM
         (docs/background.md: 64 of 132 SMs pull 85 % of the whole GPU's bandwidth on the H200). ``search``: its
-        warm start's name, one per slack."""
+        warm start's name, one per slack. ``seen``: filled with the step predicted on each size asked."""
         predict, N, sizes = self.latency.predict, self.N, self.dec_sizes
         if not work.seqs:
             return sizes[0]
-        best = float(predict(work, sizes[-1], co, N - sizes[-1])) * (1 + (KNEE if slack is None else slack))
-        return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= best, search)
+        top = sizes[-1]
+        t_top = float(predict(work, top, co, N - top))
+        best = t_top * (1 + (KNEE if slack is None else slack))
+
+        def fits(d: int) -> bool:  # (the largest size fits by definition: not predicted twice)
+            t = t_top if d == top else predict(work, d, co, N - d)
+            if seen is not None:
+                seen[d] = t
+            return t <= best
+
+        return self._smallest(sizes, fits, search)
 
     def _decode_need(self, view: DecodeView, co: Work | None) -> int:
         """The smallest decode size whose predicted next step, next to ``co`` on the rest of the GPU, fits the
@@ -882,59 +931,44 @@ class Bullet(LayerSliced):
             raise SchedulingError(f"{len(waiting) - k} fresh requests queued but {len(self._by_deadline)} in the "
                                   f"deadline order (a request left the queue without _admit or abort)")
         per_token = self._prefill_per_token()
-        t = now  # a job is ordered when the prefill lane is free
-        # Moore-Hodgson: add requests in deadline order; when one would end past its deadline, drop the
-        # longest prompt kept so far (the latest due among equals: perhaps itself) to the late set. On one
-        # machine that leaves the fewest requests late.
         free, releases = self._seat_releases(now, k, len(waiting) - k)
         if self._shed and self._lull(now):
             self._shed.clear()
-        shed = self._shed
-        if len(self._by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
-            deadline, _, known, r = self._by_deadline[0]
+        shed, by_deadline = self._shed, self._by_deadline
+        if len(by_deadline) == 1:  # one fresh request (a light load's usual queue): on time, nothing moves
+            deadline, i, known, _, _ = by_deadline[0]
             cost = known * per_token
-            t = now + cost
-            if 0 <= -free < len(releases) and releases[-free] + cost > t:
-                t = releases[-free] + cost
-            if t <= deadline and not (shed and r.id in shed):
+            if now + cost <= deadline and not (0 <= -free < len(releases) and releases[-free] + cost > deadline) \
+                    and not (shed and i in shed):
                 return
-        kept: list[tuple[int, int, Request]] = []  # (-known, -position, r): a max-heap of the kept lengths
-        late = []
+        # seats[c]: when the c-th request kept (from 0) gets its seat: release c - free (-inf: a seat is free now)
+        seats = releases[-free:] if free < 0 else [-math.inf] * min(free, len(by_deadline)) + releases
+        if len(seats) < len(by_deadline):
+            seats += [-math.inf] * (len(by_deadline) - len(seats))
+        # Moore-Hodgson: add requests in deadline order (a job is ordered when the prefill lane is free: from
+        # now); when one would end past its deadline, drop the longest prompt kept so far (the latest due among
+        # equals: perhaps itself) to the late set. On one machine that leaves the fewest requests late.
+        # kept: a max-heap of the kept lengths, of (-known, -deadline, -id, entry) items (made on arrival): the
+        # longest first, then the latest due
+        kept: list[tuple[int, float, int, tuple]] = []
+        late: list[tuple] = []  # entries of _by_deadline (their first four fields)
         push, pop = heapq.heappush, heapq.heappop
-        j = -1 - free  # the release the next kept request waits for, if it needs one (j >= 0)
-        nrel = len(releases)
-        for pos, (deadline, _, known, r) in enumerate(self._by_deadline):
-            if shed and r.id in shed:
-                late.append(r)
+        t, c = now, -1  # c: the kept requests less one (the seat the latest waits for)
+        for e in by_deadline:
+            deadline, i, known, _, item = e
+            if shed and i in shed:
+                late.append(e)
                 continue
-            push(kept, (-known, -pos, r))
+            push(kept, item)
             cost = known * per_token
             t += cost
-            j += 1
-            end = t
-            if 0 <= j < nrel:
-                seat = releases[j] + cost
-                if seat > t:  # (an if beats a max() call in this per-request loop)
-                    end = seat
-            if end > deadline:
-                longest, _, x = pop(kept)
-                t += longest * per_token
-                late.append(x)
-                j -= 1
-        skip = {r.id for r in late}
-        on_time = [r for _, i, _, r in self._by_deadline if i not in skip]
-        if len(on_time) > 1:  # shortest first, where that breaks no on-time request's deadline
-            t = now
-            for known, i, deadline, _ in self._by_length:
-                if i in skip:
-                    continue
-                t += known * per_token
-                if t > deadline:
-                    break
-            else:
-                on_time = [r for _, i, _, r in self._by_length if i not in skip]
-        if late:
-            on_time = self._late_ones(now, late, on_time, per_token)
+            c += 1
+            if t > deadline or seats[c] + cost > deadline:  # its prefill or its seat comes too late
+                x = pop(kept)
+                t += x[0] * per_token
+                late.append(x[3])
+                c -= 1
+        on_time = self._late_ones(now, late, per_token)
         if k:
             for _ in range(len(waiting) - k):
                 waiting.pop()
@@ -953,45 +987,76 @@ class Bullet(LayerSliced):
         free = self.cfg.max_num_seqs - len(self.running) - back
         if fresh <= free:
             return free, []
-        arrays = self._decode_arrays()
-        work = arrays.gathered_work() if arrays is not None else None
-        if work is None:
-            work = self._view(self.running, now).work
+        arrays = self._decode_arrays()  # (the arrays' Work: gathered once for this and the decision's view)
+        work = arrays.work(self.model.num_layers) if arrays is not None else self._view(self.running, now).work
         if not work.seqs:
             return free, []
-        d = self._decode_sms() or self._decode_knee(work, None)
-        step = float(self.latency.predict(work, d))
+        d = self._decode_sms()
+        if d:
+            step = float(self.latency.predict(work, d))
+        else:  # the knee's search predicted its step on the knee already
+            seen: dict[int, float] = {}
+            d = self._decode_knee(work, None, seen=seen)
+            step = float(seen[d] if d in seen else self.latency.predict(work, d))
         if arrays is not None:  # every running request's tokens left, from the arrays (no Python pass)
-            live = arrays.left[:arrays.size][arrays.live[:arrays.size]]
-            return free, (now + step * np.sort(live)[:fresh - free]).tolist()
+            return free, (now + step * arrays.sorted_left()[:fresh - free]).tolist()
         left = sorted([r.max_new_tokens - r.num_output for r in self.running])
         return free, [now + step * n for n in left[:fresh - free]]
 
-    def _late_ones(self, now: float, late: list[Request], on_time: list[Request], per_token: float) -> list[Request]:
-        """Count the requests predicted to miss their TTFT; reject them (admission control) or merge each in
-        before the first on-time request due after its key (its deadline + LATE_GRACE targets). Returns the
-        queue's new fresh part."""
-        fresh_late = [r.id for r in late if r.id not in self._late]
+    def _late_ones(self, now: float, late: list[tuple], per_token: float) -> list[Request]:
+        """Count the requests predicted to miss their TTFT (``late``: entries of ``_by_deadline``); reject them
+        (admission control) or merge each in before the first on-time request due after its key (its deadline
+        + LATE_GRACE targets). Returns the queue's new fresh part: the on-time requests shortest first where
+        that breaks none of their deadlines, else by deadline, with the late ones merged in."""
+        skip = {e[1] for e in late}
+        fresh_late = [i for i in skip if i not in self._late]
         self.num_late += len(fresh_late)
         self._late.update(fresh_late)
-        if self.cfg.admission_control:
-            for r in late:
+        reject = self.cfg.admission_control
+        target = self.target  # each late request's key: _late_key's, from the deadline its entry holds
+        keyed = [] if reject else sorted([(e[0] + LATE_GRACE * target[e[1]], e[1], e[3]) for e in late])
+        out = None
+        if len(self._by_deadline) - len(skip) > 1:
+            out = self._merged(self._by_length, 2, skip, keyed, now, per_token)
+        if out is None:
+            out = self._merged(self._by_deadline, 0, skip, keyed)
+        if reject:  # (after the walks: _forget changes the lists)
+            for e in late:
+                r = e[3]
                 ttft = now - r.arrival + r.known * per_token
                 r.error = (f"rejected by admission control: predicted TTFT {1e3 * ttft:.0f} ms > target "
                            f"{1e3 * self.target[r.id]:.0f} ms")
                 r.finish_time = now
                 self.rejected.append(r)
                 self._forget(r.id)
-            return on_time
-        key = {r.id: self._late_key(r.id) for r in late}
-        late.sort(key=lambda r: (key[r.id], r.id))
-        merged, i = [], 0
-        for r in on_time:
-            while i < len(late) and key[late[i].id] < self.deadline[r.id]:
-                merged.append(late[i])
+        return out
+
+    @staticmethod
+    def _merged(order: list[tuple], due: int, skip: set[int], keyed: list[tuple], t: float | None = None,
+                per_token: float = 0.0) -> list[Request] | None:
+        """The requests of ``order`` (``_by_deadline`` or ``_by_length``, whose entries hold the deadline at
+        ``due``) not in ``skip``, with ``keyed`` ((key, id, request), sorted) merged in, each before the first of
+        them due after its key. With ``t`` (``_by_length``: shortest first), None as soon as one of them, prefilled
+        one after another from ``t`` at ``per_token`` a token, would end past its deadline."""
+        out: list[Request] = []
+        i, n = 0, len(keyed)
+        key = keyed[0][0] if n else math.inf
+        for e in order:
+            if e[1] in skip:
+                continue
+            d = e[due]
+            if t is not None:
+                t += e[0] * per_token
+                if t > d:
+                    return None
+            while key < d:
+                out.append(keyed[i][2])
                 i += 1
-            merged.append(r)
-        return merged + late[i:]
+                key = keyed[i][0] if i < n else math.inf
+            out.append(e[3])
+        if i < n:
+            out.extend([x[2] for x in keyed[i:]])
+        return out
 
     def _probe(self, tokens: int) -> Work:
         """A prefill of ``tokens`` tokens in 512-token prompts: what prefill speed is judged on."""
