@@ -19,6 +19,7 @@ Prints, for each profile folder given (default: the two shipped H200 profiles):
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from collections import defaultdict
@@ -26,6 +27,7 @@ from collections import defaultdict
 import numpy as np
 from scipy.optimize import nnls
 
+from bullet.config import ConfigError
 from bullet.perfmodel import FittedModel
 from bullet.perfmodel.fit import (
     default_terms,
@@ -163,8 +165,13 @@ def fold_errors(prof, fitter) -> dict[str, tuple[float, float]]:
 
 
 def main(argv: list[str]) -> None:
-    for folder in argv or PROFILES:
-        prof = load_profile(folder)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("profiles", nargs="*", help="profile folders (default: the two shipped H200 profiles)")
+    for folder in ap.parse_args(argv).profiles or PROFILES:
+        try:
+            prof = load_profile(folder)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
         print(f"\n=== {folder} ({len(prof.rows)} points)")
         neighbours(prof)
         per_shape(prof)
