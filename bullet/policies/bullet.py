@@ -1013,8 +1013,7 @@ class Bullet(LayerSliced):
         self.num_late += len(fresh_late)
         self._late.update(fresh_late)
         reject = self.cfg.admission_control
-        target = self.target  # each late request's key: _late_key's, from the deadline its entry holds
-        keyed = [] if reject else sorted([(e[0] + LATE_GRACE * target[e[1]], e[1], e[3]) for e in late])
+        keyed = [] if reject else sorted([(self._late_key(e[1]), e[1], e[3]) for e in late])
         out = None
         if len(self._by_deadline) - len(skip) > 1:
             out = self._merged(self._by_length, 2, skip, keyed, now, per_token)
