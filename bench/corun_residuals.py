@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bullet.config import ConfigError
 from bullet.gpu.profile import PASSES_FILE, median_row, read_passes
 from bullet.perfmodel import FittedModel
 from bullet.perfmodel.base import partly_co_run
@@ -208,11 +209,14 @@ def seeds(prof, n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("profile", nargs="?", default="profiles/h200/llama-3.1-8b")
+    ap.add_argument("profile", nargs="?", default="profiles/h200/llama-3.1-8b", help="profile folder")
     ap.add_argument("--medians", action="store_true", help="co-run rows: the median of their passes")
     ap.add_argument("--seeds", type=int, default=5)
     a = ap.parse_args()
-    prof = load_profile(a.profile)
+    try:
+        prof = load_profile(a.profile)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     first_card = {r["id"] for r in prof.rows if r["co_kind"]}  # (the shipped profile: its rows are their 1st pass)
     if a.medians and (prof.folder / PASSES_FILE).exists():
         prof = with_medians(prof)

@@ -225,10 +225,11 @@ class Model:
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor, pad: bool = False) -> torch.Tensor:
         """float32 ``[len(rows), vocab]`` from the final hidden state's ``rows``. One row goes through the
         GEMV path (fp32 straight out of the product) where ``gemv_config`` is set. ``pad`` (eager launches,
-        whose row counts vary): several rows run at :func:`logits_rows` rows (repeats of the first, sliced
-        off), so serving meets only the product shapes the warm-up ran: cuBLAS sets up each new shape's kernel
-        once, and on the H200 that first call waited for the whole GPU to drain, 240 ms with the other lane
-        busy (bench/RESULTS.md, twenty-third session). Graphs have fixed row counts and do not pad."""
+        whose row counts vary): several rows run at :func:`logits_rows` rows (the padding rows read hidden
+        row 0 and are sliced off), so serving meets only the product shapes the warm-up ran: cuBLAS sets up
+        each new shape's kernel once, and on the H200 that first call waited for the whole GPU to drain, 240 ms
+        with the other lane busy (bench/RESULTS.md, twenty-third session). Graphs have fixed row counts and do
+        not pad."""
         n = rows.numel()
         one = hidden.shape[0] == 1 and n == 1  # then rows is [0]: no gather
         if pad and not one and (m := logits_rows(n)) > n:
