@@ -7,7 +7,8 @@
 # After the first call, copy $OUT/profile/* (points.csv, corun_passes.csv, metadata.json, model.json) into
 # profiles/h200/llama-3.1-8b/ of the checkout, so that the second call validates the refit model. Logs under $OUT
 # (default refit_validate/): profile.log, fit.log, validate-POLICY.log (the tables) and each run's
-# report.json, launches.csv and cdf.png (under $OUT/chunked, $OUT/static).
+# report.json, launches.csv and cdf.png (in $OUT/chunked.tgz, $OUT/static.tgz: the device's transfer refuses the
+# folders' '@' names).
 set -o pipefail
 stage=${1:?usage: gpu_refit_validate.sh chunked|static}
 OUT=${OUT:-refit_validate}
@@ -29,10 +30,12 @@ case $stage in
     cp "$PROF/model.json" "$OUT/profile/"
     bullet validate --policy chunked --max-batched-tokens 2048 "${common[@]}" --out "$OUT/chunked" \
         > "$OUT/validate-chunked.log" 2>&1
-    echo "validate chunked: exit $? (1: a figure over --max-error)"; tail -30 "$OUT/validate-chunked.log" ;;
+    echo "validate chunked: exit $? (1: a figure over --max-error)"; tail -30 "$OUT/validate-chunked.log"
+    tar czf "$OUT/chunked.tgz" -C "$OUT" chunked && rm -rf "$OUT/chunked" ;;
   static)
     bullet validate --policy static-split --prefill-sms 92 "${common[@]}" --out "$OUT/static" \
         > "$OUT/validate-static.log" 2>&1
-    echo "validate static-split: exit $? (1: a figure over --max-error)"; tail -30 "$OUT/validate-static.log" ;;
+    echo "validate static-split: exit $? (1: a figure over --max-error)"; tail -30 "$OUT/validate-static.log"
+    tar czf "$OUT/static.tgz" -C "$OUT" static && rm -rf "$OUT/static" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
