@@ -65,8 +65,9 @@ def slo_for(trace: str, which: str) -> SloConfig:
 
 def sim_only(args, spec, gpu, latency, sizes) -> None:
     """The simulated half of every row: what ``main`` runs beside each real run, with ``args.num_blocks`` KV blocks."""
-    print("| trace | rate | policy | attainment | goodput | makespan s | TTFT p50 ms | TTFT p90 | TPOT p50 | TPOT p90 |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| trace | rate | policy | attainment | goodput | makespan s | TTFT p50 ms | TTFT p90 | TPOT p50 | TPOT p90 "
+          "| last to finish: request, arrival s, output tokens, TTFT ms, TPOT ms |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     cache = CacheConfig(num_blocks=args.num_blocks, prefix_caching=False)
     for spec_run in args.runs:
         trace, rates = spec_run.split(":")
@@ -74,11 +75,15 @@ def sim_only(args, spec, gpu, latency, sizes) -> None:
         for rate, start in ((float(x), int(k)) for x in rates.split(",") for k in args.starts.split(",")):
             for name in args.policies:
                 reqs = load_trace(trace, num_requests=args.num_requests, rate=rate, start=start)
-                s = simulate(reqs, spec, gpu, policy_cfg(name, args.layers_per_step, sizes), cache, slo, latency,
-                             timeline=False).summary
+                res = simulate(reqs, spec, gpu, policy_cfg(name, args.layers_per_step, sizes), cache, slo, latency,
+                               timeline=False)
+                s, last = res.summary, res.requests[-1]  # finishing order: the last sets the makespan
+                ttft, out = last.first_token_time - last.arrival, last.num_output
+                tpot = (last.last_token_time - last.first_token_time) / max(out - 1, 1)
                 print(f"| {trace} | {rate:g} @{start} | {name} | {100 * s['slo_attainment']:.1f} % | {s['goodput']:.2f} | "
-                      f"{s['duration_s']:.2f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
-                      f"{s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p90']:.1f} |", flush=True)
+                      f"{s['duration_s']:.3f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p90']:.0f} | "
+                      f"{s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p90']:.1f} | {last.id}, {last.arrival:.3f}, {out}, "
+                      f"{1e3 * ttft:.0f}, {1e3 * tpot:.2f} |", flush=True)
 
 
 def main() -> None:
