@@ -270,7 +270,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 7
+    assert data["version"] == 8
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -279,8 +279,9 @@ def test_other_model_versions(real_model):
         assert "own_flops_co_sm" not in {q for q, _ in shipped["families"]["co_eager"]["terms"]}
     FittedModel({**data, "version": 5})  # version 5: the shipped files' (no grid basis)
     FittedModel({**data, "version": 6})  # version 6: no tensor-core co-runner term
-    with pytest.raises(ConfigError, match=r"version 8, this bullet reads versions 1, 2, 3, 4, 5, 6, 7: refit it"):
-        FittedModel({**data, "version": 8})
+    FittedModel({**data, "version": 7})  # version 7: no small_gemm_flops, no co_gemm_half (the shipped files')
+    with pytest.raises(ConfigError, match=r"version 9, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8: refit it"):
+        FittedModel({**data, "version": 9})
 
 
 # ---------------------------------------------------------------- the JSON and the protocol
@@ -862,3 +863,117 @@ def test_bad_gemm_csv_names_file_line_and_field(tmp_path, edit, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_profile(folder)
     assert "gemm.csv" in str(e.value)
+
+
+# ---------------------------------------------------------------- format version 8
+def test_small_gemm_flops_by_hand():
+    """``small_gemm_flops``: the FLOPs of the layer GEMMs with fewer than 2 x 132 output tiles of 128 x 256. Llama-3.1-8B
+    (h = q = 4096, kv = 1024, f = 14336): QKV 6144 x 4096 (24 column tiles), O 4096 x 4096 (16), gate-up 28672 x 4096
+    (112), down 4096 x 14336 (16). 1,000 tokens (8 row tiles: 192, 128, 896, 128 tiles): QKV, O and down, 2 x
+    (6144 x 4096 + 4096 x 4096 + 4096 x 14336) = 201,326,592 FLOPs a token; 2,048 (16 row tiles: 384, 256, 1792,
+    256): O and down, 150,994,944; 8,192 (64): none. A one-term model, 0.5 x small_gemm_flops x grid."""
+    fm = truth_model()
+    zero = {"terms": [["launch", "one"]], "coef": [0.0]}
+    fams = {fam: zero for fam in TRUE}
+    fams["eager"] = {"terms": [["small_gemm_flops", "grid"]], "coef": [0.5]}
+    fm1 = FittedModel({**fm.data, "version": 8, "families": fams}, host=False)
+    for tokens, per_token in ((1000, 201_326_592), (2048, 150_994_944), (8192, 0)):
+        w = Work(32, tokens, 1, tokens * (tokens + 1) / 2, tokens, 1, True, tokens)  # eager: no graph pads it
+        for n, rounds in ((20, 7), (52, 3), (68, 2), (132, 1)):
+            assert fm1.predict(w, n) == pytest.approx(0.5 * 32 * tokens * per_token * 1e-12 / 132 * rounds,
+                                                      rel=1e-12, abs=1e-15)
+        menu = np.array([20, 52, 68, 132])
+        assert fm1.predict(w, menu).tolist() == [fm1.predict(w, int(n)) for n in menu]
+
+
+def test_fitting_recovers_the_small_gemm_term(tmp_path):
+    """A synthetic profile whose eager launches take 3e-4 x small_gemm_flops x grid beside 2e-4 x gemm_flops x grid
+    and the truth's other terms: the fit recovers both, and the default terms (ramps) carry both grid terms."""
+    truth = {**TRUE, "eager": [*TRUE["eager"], (("gemm_flops", "grid"), 2e-4), (("small_gemm_flops", "grid"), 3e-4)]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 8, "families": fams})
+    prof = load_profile(synthetic_profile(tmp_path / "synthetic", fm))
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["eager"]["coef"] == pytest.approx([c for _, c in truth["eager"]], rel=1e-4, abs=1e-9)
+    terms = fit_model(prof, prof.rows)["families"]["eager"]["terms"]
+    assert ["small_gemm_flops", "grid"] in terms and ["gemm_flops", "grid"] in terms
+
+
+def test_ramp_penalty_by_hand():
+    """The curvature penalty's rows: sizes 20, 40, 80 (1/n = 0.05, 0.025, 0.0125); the weight at 40 less the line
+    in 1/n through 20 and 80 (W_20 / 3 + 2 W_80 / 3), times the strength and the mean of (a row's ramp columns) / y
+    (here 1). Per-size weights W = (3, 2, 1.5) lie on a line in 1/n (1 + 40 / n): 0; W = (3, 2.5, 1.5): 0.5."""
+    from bullet.perfmodel.fit import ramp_penalty
+
+    terms = [("tokens", "r20_20_40"), ("tokens", "r20_40_80"), ("tokens", "r20_80_0"), ("layers", "one")]
+    X = np.array([[1.0, 2.0, 1.0, 5.0], [0.0, 1.0, 1.0, 7.0]])
+    y = np.array([4.0, 2.0])
+    P = ramp_penalty(terms, X, y, strength=2.0)
+    assert P.shape == (1, 4)
+    # W = (c1 + c2 + c3, c2 + c3, c3): W = (3, 2, 1.5) is c = (1, 0.5, 1.5); W = (3, 2.5, 1.5) is c = (0.5, 1, 1.5)
+    assert (P @ [1.0, 0.5, 1.5, 9.0])[0] == pytest.approx(0.0, abs=1e-12)
+    assert (P @ [0.5, 1.0, 1.5, 9.0])[0] == pytest.approx(2.0 * 0.5, rel=1e-12)
+    assert ramp_penalty(terms[2:], X[:, 2:], y).shape == (0, 2)  # under 3 sizes: nothing to bend
+
+
+def test_ramp_smoothing_keeps_a_truth_linear_in_one_over_n(tmp_path, real):
+    """A synthetic profile whose eager launches are tokens x a per-size weight linear in 1/n (W(s) = 0.2 + 30 / s at
+    the measured sizes, on ramps) plus layers: the penalty is 0 at the truth, so the fit with it still recovers the
+    truth's coefficients."""
+    sizes = sorted({r["sms"] for r in real.rows if not r["co_kind"] and r["kind"] != "decode"} - {132})
+    from bullet.perfmodel.fit import ramp_bases
+
+    bases = ramp_bases(sizes)
+    W = [0.2 + 30.0 / s for s in sizes]
+    c = [W[i] - (W[i + 1] if i + 1 < len(W) else 0.0) for i in range(len(W))]
+    eager = [(("tokens", b), x) for b, x in zip(bases, c)] + [(("tokens", "full"), 0.3), (("layers", "one"), 0.1)]
+    truth = {**TRUE, "eager": eager}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [x for _, x in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 8, "families": fams})
+    prof = load_profile(synthetic_profile(tmp_path / "synthetic", fm))
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["eager"]["coef"] == pytest.approx([x for _, x in eager], rel=1e-4, abs=1e-9)
+
+
+def test_gemm_half_term_by_hand():
+    """``co_gemm_half``: the decode co-runner's GEMM-table seconds over its stand-alone step (as ``co_gemm_co_sm``) x
+    min(its SMs, 66) / 132: 32 SMs count 32, 100 count 66. 0 beside a one-row step and without a table. Array path =
+    scalar."""
+    fm = truth_model()
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in TRUE.items()}
+    pre = Work(32, 3000, 1, 3000 * 3001 / 2, 3000, 1, True, 3000)
+    dec = Work(32, 100, 100, 100 * 500.0, 100 * 500, 100, True, 500)
+    one = Work(32, 1, 1, 500.0, 500, 1, True, 500)
+    fm1 = FittedModel({**fm.data, "version": 8, "gemm_table": GEMM,
+                       "families": {**fams, "co_eager": {"terms": [["co_gemm_half", "one"]], "coef": [0.3]}}})
+    for n, m, counted in ((100, 32, 32), (32, 100, 66)):
+        alone, dec_alone = fm1.predict(pre, n), fm1.predict(dec, m)
+        g = 32 * 3.0e-4 / dec_alone  # 100 rows take the 128-row bucket: 3.0e-4 s a layer on 32 SMs and more
+        assert fm1.predict(pre, n, dec, m) == pytest.approx(alone * (1 + 0.3 * g * counted / 132), rel=1e-12)
+        assert fm1.predict(pre, n, one, m) == alone  # the GEMV path: no GEMM term
+    assert FittedModel({**fm1.data, "gemm_table": None}).predict(pre, 100, dec, 32) == fm1.predict(pre, 100)
+    menu = np.array([20, 60, 92, 100, 124])
+    assert fm1.predict(pre, menu, dec, 132 - menu).tolist() == [fm1.predict(pre, int(n), dec, 132 - int(n))
+                                                                for n in menu]
+
+
+def test_fitting_recovers_the_gemm_half_term(tmp_path):
+    """A synthetic profile with a GEMM table whose co-run prefills slow by known weights, ``co_gemm_half`` among them:
+    the fit recovers them, and the default terms with a table take ``co_gemm_half`` and no term linear in the
+    co-runner's SMs (``co_sm_share``, ``co_gemm_co_sm``)."""
+    truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
+                                  (("own_flops_co_sm", "one"), 0.9), (("co_gemm_half", "one"), 0.25)]}
+    table = {"sms": [8, 24, 40, 56, 72, 88, 104, 132], "rows": [2, 8, 32, 64, 128, 256],
+             "layer_s": [[(1 + 0.01 * r) * 1e-4 * 8 / min(s, 60) for s in [8, 24, 40, 56, 72, 88, 104, 132]]
+                         for r in [2, 8, 32, 64, 128, 256]]}
+    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
+    fm = FittedModel({**truth_model().data, "version": 8, "families": fams, "gemm_table": table})
+    folder = synthetic_profile(tmp_path / "synthetic", fm)
+    write_gemm_csv(folder / "gemm.csv", table)
+    prof = load_profile(folder)
+    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
+    assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
+                                                                  abs=1e-9)
+    terms = fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
+    assert ["co_gemm_half", "one"] in terms
+    assert ["co_sm_share", "one"] not in terms and ["co_gemm_co_sm", "one"] not in terms

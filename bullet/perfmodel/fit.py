@@ -3,7 +3,8 @@ latency model (JSON, read by :class:`~bullet.perfmodel.fitted.FittedModel`), wit
 
 Each family of ``fitted.py`` is a non-negative least-squares fit (scikit-learn ``LinearRegression(positive=
 True)``, weighted by 1 / target^2 so that it minimises relative error) of the measured times on the terms
-listed in :data:`TERMS`. The contention families are fitted second, on the measured co-run time over the
+of :func:`default_terms`; the eager family's per-size ramps are also pulled towards weights linear in 1/n
+(:func:`ramp_penalty`, :data:`RAMP_SMOOTHING`). The contention families are fitted second, on the measured co-run time over the
 stand-alone prediction (``co_eager`` weighted by 1 / (that ratio)^2: relative error of the co-run time).
 Held-out error: a seeded random 20 % of the points, leave-one-partition-size-out (loso: every point measured on
 that SM count held out, the rest fitted), and interior loso (the same, never holding out a lane's smallest or
@@ -60,6 +61,13 @@ META_KEYS = ("model", "model_spec", "gpu", "num_sms")
 
 # Knots of the N / min(n, K) SM basis (fitted.py); the whole GPU is always one.
 KNOTS = (16, 32, 48, 64, 96)
+# The eager family's ramps fit a weight per measured partition size almost freely, so a physical term (the grid
+# rounds) and the ramps can explain the same points in sample and split them arbitrarily; held out, the split decides
+# the interpolation. The fit penalises each quantity's per-size weight for its distance from the line (in 1/n) through
+# its two neighbouring sizes, times this factor and the quantity's mean contribution to a point's relative time:
+# bumps go to the physical terms. bench/RESULTS.md, "Co-run prefill and the eager ramps": prefill interior 2.70 ->
+# 2.48 % (0.3: 2.50, 3: 2.57, 10: 2.70), co-run prefill interior 3.52 -> 2.85 % on the H200 Llama-3.1-8B profile.
+RAMP_SMOOTHING = 1.0
 # a launch counts as GPU-bound (its gpu_s measures the GPU, not the host) above this multiple of host_s
 GPU_BOUND = 1.15
 THRESHOLDS = {"family_mean": 0.03, "launch_mean": 0.05, "launch_p95": 0.10}
@@ -97,14 +105,22 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
         # GEMM FLOPs in rounds of a grid sized for the whole GPU (fitted.py ``grid``): interior loso of the shipped
         # H200 profiles, prefill 3.55 -> 3.19 % (Llama-3.1-8B), 4.27 -> 3.72 % (Qwen3-8B); bench/fit_residuals.py
         eager.append(("gemm_flops", "grid"))
+        # the same rounds for the GEMMs with few output tiles only (format version 8): with the ramps' curvature
+        # penalised (RAMP_SMOOTHING) the step at 66 SMs is theirs, not a big launch's (bench/RESULTS.md, "Co-run
+        # prefill and the eager ramps")
+        eager.append(("small_gemm_flops", "grid"))
     else:
         eager = [(q, b) for q in ("gemm_flops", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens")
                  for b in ks]
         eager += [("eager_tokens", b) for b in ks]
         eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
                   ("samples", "one"), ("layers", "one"), ("launch", "one")]
-    # the co-runner's tensor cores: its measured GEMM share where there is a table, else whether it has GEMMs at all
-    co_eager = [(q, "one") for q in CO_EAGER_Q if q != ("co_tc_co_sm" if gemm else "co_gemm_co_sm")]
+    # the co-runner's tensor cores: its measured GEMM share where there is a table, else whether it has GEMMs at all.
+    # With a table (format version 8) the share counts the co-runner's SMs up to half the GPU (``co_gemm_half``) and no
+    # term grows linearly in its SMs (``co_sm_share``, ``co_gemm_co_sm`` left out): the slowdown is flat past ~56 of
+    # the H200's SMs (bench/RESULTS.md, "Co-run prefill and the eager ramps")
+    drop = {"co_gemm_co_sm", "co_sm_share", "co_tc_co_sm"} if gemm else {"co_gemm_co_sm", "co_gemm_half"}
+    co_eager = [(q, "one") for q in CO_EAGER_Q if q not in drop]
     return {"decode_step": dec, "decode_first": list(dec), "eager": eager,
             "host": [(q, "one") for q in HOST_Q if q != "seq_layers"],
             "co_eager": co_eager, "co_decode": [(q, "one") for q in CO_DECODE_Q]}
@@ -352,17 +368,54 @@ def _design(q: Quantities, terms, items: list[tuple[dict, int]]) -> np.ndarray:
     return np.array([[qv[name] * tables[b][n] for name, b in terms] for qv, n in items], dtype=np.float64)
 
 
-def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True, weights: np.ndarray | None = None) -> np.ndarray:
+def _nnls(X: np.ndarray, y: np.ndarray, relative: bool = True, weights: np.ndarray | None = None,
+          penalty: np.ndarray | None = None) -> np.ndarray:
     """Non-negative least squares of ``y`` on ``X``, weighted by ``weights`` where given, else by 1 / y^2
-    (``relative``: relative error) or not at all."""
+    (``relative``: relative error) or not at all; ``penalty``: rows ``P`` whose ``P @ coef`` is pulled to 0 beside
+    the weighted residuals (:func:`ramp_penalty`)."""
     from sklearn.linear_model import LinearRegression
 
     if len(y) == 0:
         return np.zeros(X.shape[1])
     w = weights if weights is not None else 1.0 / y**2 if relative else None
     reg = LinearRegression(positive=True, fit_intercept=False)
-    reg.fit(X, y, sample_weight=w)
+    if penalty is not None and len(penalty):
+        sw = np.sqrt(w) if w is not None else np.ones(len(y))
+        reg.fit(np.vstack([X * sw[:, None], penalty]), np.concatenate([y * sw, np.zeros(len(penalty))]))
+    else:
+        reg.fit(X, y, sample_weight=w)
     return np.maximum(reg.coef_, 0.0)
+
+
+_RAMP_TERM = re.compile(r"r(\d+)_(\d+)_(\d+)")
+
+
+def ramp_penalty(terms, X: np.ndarray, y: np.ndarray, strength: float = RAMP_SMOOTHING) -> np.ndarray:
+    """Rows of the ramps' curvature penalty (:data:`RAMP_SMOOTHING`; the eager family's). A quantity's ramps at the measured sizes
+    ``s_1 < ... < s_K`` give it the weight ``W_i = c_i + ... + c_K`` at ``s_i``; each row is, for one interior size,
+    ``strength x mean_j(sum of the quantity's ramp columns / y_j) x (W_i - the value at s_i of the line in 1/n through
+    W_{i-1} and W_{i+1})``: 0 where the weights are linear in 1/n, and in units of a point's relative error."""
+    by_q: dict[str, list[tuple[int, int]]] = {}
+    for j, (q, b) in enumerate(terms):
+        if (m := _RAMP_TERM.fullmatch(b)) is not None:
+            by_q.setdefault(q, []).append((int(m.group(2)), j))
+    rows = []
+    for cols in by_q.values():
+        if len(cols) < 3:
+            continue
+        cols.sort()
+        idx = [j for _, j in cols]
+        scale = strength * float(np.mean(np.abs(X[:, idx]).sum(axis=1) / np.abs(y)))
+        x = np.array([1.0 / s for s, _ in cols])
+        up = np.triu(np.ones((len(cols), len(cols))))  # W = up @ c
+        for i in range(1, len(cols) - 1):
+            h1, h2 = x[i - 1] - x[i], x[i] - x[i + 1]
+            d = np.zeros(len(cols))
+            d[i - 1], d[i], d[i + 1] = -h2 / (h1 + h2), 1.0, -h1 / (h1 + h2)
+            row = np.zeros(X.shape[1])
+            row[idx] = scale * (d @ up)
+            rows.append(row)
+    return np.array(rows).reshape(-1, X.shape[1])
 
 
 def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None) -> dict:
@@ -377,7 +430,10 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
 
     def fit(family: str, items: list[tuple[dict, int]], y: list[float]) -> None:
         X = _design(q, terms[family], items) if items else np.zeros((0, len(terms[family])))
-        coef[family] = _nnls(X, np.asarray(y, dtype=np.float64))
+        ya = np.asarray(y, dtype=np.float64)
+        # (only the eager family has ramps: the curvature penalty is empty for the others)
+        pen = ramp_penalty(terms[family], X, ya, RAMP_SMOOTHING) if len(ya) and RAMP_SMOOTHING else None
+        coef[family] = _nnls(X, ya, penalty=pen)
         counts[family] = len(y)
 
     solo_dec = [r for r in rows if is_solo(r) and is_decode(r)]

@@ -22,7 +22,8 @@ layers) times an *SM basis* function of the partition's SM count ``n``:
   GEMMs at few row tiles) runs in whole rounds of ``n``: on the H200 profiles an eager launch's time falls
   faster than ``1/n`` from 52 to 68 SMs (a 400-token prefill: 25.7 -> 18.7 ms) and hardly at all from 68 to
   116 (17.4 ms), which ramps interpolated in ``1/n`` between 52 and 84 miss by +6 % at 68. The eager family
-  takes ``gemm_flops`` on it (format version 6).
+  takes ``gemm_flops`` on it (format version 6) and ``small_gemm_flops``, the FLOPs of the GEMMs with few output
+  tiles (version 8: a big launch's GEMMs run in ordinary waves).
 * ``full``: 1 on the whole GPU (an ordinary stream: cuBLAS and the graphs see all SMs), 0 on a green
   context; ``part``: the reverse. Small launches on any green context run ~1.5x longer than on the whole
   GPU (a 256-token prefill: 11.3-11.9 ms on 84-116 SMs, 7.7 ms on all 132), a step no ``k<K>`` sum can
@@ -85,11 +86,13 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 7  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 8  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
 # slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
-# slowdown beside a tensor-core co-runner (``co_tc_co_sm``); older files read unchanged
-READS = (1, 2, 3, 4, 5, 6, 7)
+# slowdown beside a tensor-core co-runner (``co_tc_co_sm``); 8: the FLOPs of the GEMMs with few output tiles
+# (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); older files read
+# unchanged
+READS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -119,7 +122,14 @@ EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
 # what Quantities.eager computes, in its order (eager_tokens besides EAGER_Q: a later term)
 EAGER_KEYS = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens",
-              "seq_layers", "samples", "layers", "launch")
+              "seq_layers", "samples", "layers", "launch", "small_gemm_flops")
+# ``small_gemm_flops`` (format version 8): the FLOPs of the layer GEMMs that have fewer output tiles (tile_m x tile_n)
+# than SMALL_GEMM_TILES x the GPU's SMs. The ``grid`` rounds (``ceil(N / n)``) are a property of kernels whose grid
+# is sized for the device, which cuBLAS launches for GEMMs with few tiles (split-K, stream-K); a GEMM of thousands
+# of tiles runs in ordinary waves on any partition. On the H200 profile a 1,024-token prefill's SM-seconds rise
+# 0.87 -> 0.96 -> 0.85 (of the whole GPU's) on 52, 60 and 68 SMs, an 8,192-token one's 0.72 -> 0.73 -> 0.74
+# (bench/RESULTS.md, "Co-run prefill and the eager ramps").
+SMALL_GEMM_TILES = 2
 CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # The slowed lane's side of contention, measured on the H200's continuous co-run points (bench/RESULTS.md, eleventh
 # session): a prefill that streams more bytes a second (a short, memory-bound prompt) loses more to the co-runner's
@@ -139,10 +149,15 @@ CO_Q = ("co_bw", "co_bw_share", "co_sm_share")
 # table (the fit takes one or the other). The H200 Qwen3-8B profile (no gemm.csv; 2 of its 28 co-run prefills beside
 # a one-row step, predicted 7-24 % slow): co-run prefill held out, interior 4.00 -> 3.46 %, random over 20 seeds
 # 4.26 -> 3.21 % (bench/RESULTS.md, "Co-run prefill on the re-measured profile").
-CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm")
+# Version 8: ``co_gemm_half``, the co-runner's GEMM share (as ``co_gemm_co_sm``) x its SMs up to half the GPU,
+# min(co_sms, N/2) / N: a prefill's slowdown beside a decode step rises with the decode lane's SMs up to about 56 of
+# the H200's 132 and is flat beyond (measured over each shape's twin, mean by decode SMs: 0.04 on 8, 0.18 on 32, 0.29
+# on 48, 0.35-0.43 on 56-96, 0.30 on 104), as the decode lane's HBM stream saturates; a term linear in its SMs keeps
+# rising (bench/RESULTS.md, "Co-run prefill and the eager ramps").
+CO_EAGER_Q = CO_Q + ("own_bw_co_bw", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm", "co_gemm_half")
 CO_DECODE_Q = CO_Q + ("sm_bw_co_sm",)
 # every contention quantity (FittedModel.co_features), in the order FittedModel._co_scalar builds them
-CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm")
+CO_FEATURES = CO_Q + ("own_bw_co_bw", "sm_bw_co_sm", "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm", "co_gemm_half")
 SM_BW_REF = (64, 1024)  # rows, context of the reference decode step of ``sm_bw_co_sm``
 
 
@@ -256,6 +271,8 @@ class Quantities:
         self.tile_m = tm
         self.col_tiles = [float(-(-a // tn)) for a, _ in self.gemms]
         self.wave_flops = [2.0 * tm * tn * b for _, b in self.gemms]  # one tile, one SM
+        self.gemm_flops_tok = [2.0 * a * b for a, b in self.gemms]  # FLOPs of each layer GEMM, a token
+        self._small: dict[int, float] = {}  # row tiles -> FLOPs a token of the GEMMs with few tiles (small_gemm_flops)
         self.buckets = tuple(kernels["graph_buckets"])
         self.per_block = kernels["attn_block_n"]
         self.gemm = gemm
@@ -279,6 +296,16 @@ class Quantities:
         else:
             for ct, wf in zip(self.col_tiles, self.wave_flops):
                 out = out + math.ceil(rt * ct / n) * wf
+        return out
+
+    def small_gemm_flops(self, rows: int) -> float:
+        """FLOPs a token of one layer's GEMMs that have fewer than ``SMALL_GEMM_TILES x N`` output tiles at ``rows``
+        rows (``small_gemm_flops``: the GEMMs a library runs on a grid sized for the device)."""
+        rt = -(-int(rows) // self.tile_m)
+        out = self._small.get(rt)
+        if out is None:
+            lim = SMALL_GEMM_TILES * self.N
+            out = self._small[rt] = sum(f for f, ct in zip(self.gemm_flops_tok, self.col_tiles) if rt * ct < lim)
         return out
 
     def gemm_layer(self, rows: int, n) -> Any:
@@ -359,7 +386,8 @@ class Quantities:
                 L * self.layer_weight_bytes * 1e-9, L * w.attn_pairs * self.attn_flops_per_pair * 1e-12 / self.N,
                 L * t * p * self.attn_flops_per_pair * 1e-12 / self.N, L * p * self.kv_bytes * 1e-9,
                 L * w.kv_read * self.kv_bytes * 1e-9, L * t * 1e-6, 0.0 if graphed else L * t * 1e-6,
-                L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3)
+                L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3,
+                L * t * self.small_gemm_flops(w.tokens) * 1e-12 / self.N)
 
     def host(self, w: Work) -> dict:
         return dict(zip(HOST_Q, self.host_values(w)))
@@ -581,12 +609,14 @@ class FittedModel:
         # co-runner's stand-alone time (a latency prediction of its own) is never computed for them
         self._sm_only = {name for name in ("co_decode", "co_eager")
                          if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw",
-                                                                 "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm"}}
+                                                                 "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm",
+                                                                 "co_gemm_half"}}
         # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
         self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
                           if set(lin.quantities) <= set(CO_FEATURES)}
-        self._gemm_fams = {name for name in ("co_decode", "co_eager") if "co_gemm_co_sm" in self.f[name].quantities}
+        self._gemm_fams = {name for name in ("co_decode", "co_eager")
+                           if {"co_gemm_co_sm", "co_gemm_half"} & set(self.f[name].quantities)}
         # the eager family's terms on each SM count as (index in EAGER_KEYS, weight), in the family's order:
         # Linear.scalar's sum without a dict of quantities (an eager launch new to the model: ~10 % of bullet's
         # simulation)
@@ -891,12 +921,13 @@ class FittedModel:
             g = np.where(on, self._gemm_seconds(co, c1) / alone, 0.0)
             return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": csm / N, "own_bw_co_bw": own * u,
                     "sm_bw_co_sm": np.asarray(sm_bw)[n] * (csm / N), "own_flops_co_sm": own_fl * (csm / N),
-                    "co_gemm_co_sm": g * (csm / N), "co_tc_co_sm": tensor_cores(co) * (csm / N)}
-        u = self._co_demand(co, co_sms)
+                    "co_gemm_co_sm": g * (csm / N), "co_tc_co_sm": tensor_cores(co) * (csm / N),
+                    "co_gemm_half": g * (np.minimum(csm, N / 2) / N)}
+        u, g = self._co_of(co, co_sms)
         return {"co_bw": u, "co_bw_share": u * (n / N), "co_sm_share": co_sms / N, "own_bw_co_bw": own * u,
                 "sm_bw_co_sm": sm_bw[n] * (co_sms / N), "own_flops_co_sm": own_fl * (co_sms / N),
-                "co_gemm_co_sm": self._co_gemm_share(co, co_sms) * (co_sms / N),
-                "co_tc_co_sm": tensor_cores(co) * (co_sms / N)}
+                "co_gemm_co_sm": g * (co_sms / N), "co_tc_co_sm": tensor_cores(co) * (co_sms / N),
+                "co_gemm_half": g * (min(co_sms, N / 2) / N)}
 
     def _gemm_seconds(self, co: Work, co_sms):
         """Seconds a decode co-runner's layers spend in the measured GEMM table's products on ``co_sms`` SMs (int
@@ -933,8 +964,9 @@ class FittedModel:
             return self.f[family].scalar(self.co_features(n, co, co_sms, False, own, own_fl), 0)
         (u, g), N = self._co_of(co, co_sms), self.num_sms
         m = co_sms / N
+        gf = family in self._gemm_fams
         x = (u, u * (n / N), m, own * u, (self._sm_bw_table or self._sm_bw())[n] * m, own_fl * m,
-             g * m if family in self._gemm_fams else 0.0, tensor_cores(co) * m)
+             g * m if gf else 0.0, tensor_cores(co) * m, g * (min(co_sms, N / 2) / N) if gf else 0.0)
         s = 0.0
         for i, w in terms:
             s += x[i] * w
