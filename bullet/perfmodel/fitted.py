@@ -534,9 +534,9 @@ class FittedModel:
 
     # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
     __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host", "_host_terms",
-                 "_own", "_own_fl", "_own_last", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only",
-                 "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q",
-                 "scale", "serving_gap", "source", "spec")
+                 "_own", "_own_fl", "_own_last", "_parts", "_raw", "_setup_by_sms", "_share", "_slow", "_sm_bw_table",
+                 "_sm_only", "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap",
+                 "q", "scale", "serving_gap", "source", "spec")
 
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
@@ -582,6 +582,9 @@ class FittedModel:
         self._sm_only = {name for name in ("co_decode", "co_eager")
                          if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw",
                                                                  "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm"}}
+        # co_decode reads SM counts alone: a decode stretch's setup (_decode_setup) then depends on its co-runner
+        # only through their SM split (_setup_co), not on the co-runner itself
+        self._setup_by_sms = "co_decode" in self._sm_only
         # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
         self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
@@ -714,7 +717,8 @@ class FittedModel:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
         L, tokens, seqs, _, kv0, _, _, max_kv = work
-        key = (L, tokens, seqs, num_sms, co, co_sms, type(co_sms))
+        of_co = co if co is None or not self._setup_by_sms else self._setup_co(work, co, num_sms, co_sms)
+        key = (L, tokens, seqs, num_sms, of_co, co_sms, type(co_sms))
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
@@ -771,6 +775,13 @@ class FittedModel:
         else:
             times = times[:]
         return times, list(accumulate(times))
+
+    def _setup_co(self, work: Work, co: Work, num_sms: int, co_sms) -> int | tuple[int, int]:
+        """What of the co-runner a decode stretch's setup reads when co_decode reads SM counts alone: nothing on
+        disjoint SMs (-1), else the SMs the two launches get (naive concurrency's split, :meth:`_shared_sms`)."""
+        if 0 <= co_sms and num_sms + co_sms <= self.num_sms:
+            return -1
+        return self._shared_sms(num_sms, int(co_sms), work, co)
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
         """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
