@@ -343,8 +343,10 @@ class Quantities:
     def prefix(w: Work) -> float:
         """Cached-prefix tokens of the longest chunk: max_kv - tokens (exact for one prompt; a mixed launch's
         one-token decode rows, whose KV the paged decode kernel reads, count only through ``kv``)."""
-        mk = w.max_kv or w.kv_read // max(1, w.seqs)
-        return float(max(0, min(w.kv_read, mk) - w.tokens))
+        _, tokens, seqs, _, kv, _, _, mk = w
+        mk = mk or kv // max(1, seqs)
+        p = (mk if mk < kv else kv) - tokens  # noqa: FURB136 -- min(kv, mk), max(0, p): the builtins parse arguments
+        return float(p) if p > 0 else 0.0
 
     def eager(self, w: Work, n, graphed: bool = False) -> dict:
         """An eager or graphed prefill/mixed launch; ``eager_tokens`` are the tokens of one no prefill graph
@@ -533,10 +535,10 @@ class FittedModel:
     host time of eager launches out (see the module docstring)."""
 
     # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
-    __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host", "_host_terms",
-                 "_own", "_own_fl", "_own_last", "_parts", "_raw", "_setup_by_sms", "_share", "_slow", "_sm_bw_table",
-                 "_sm_only", "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap",
-                 "q", "scale", "serving_gap", "source", "spec")
+    __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_gemm_s", "_host",
+                 "_host_terms", "_own", "_own_fl", "_own_last", "_parts", "_raw", "_setup_by_sms", "_share", "_slow",
+                 "_sm_bw_table", "_sm_only", "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels",
+                 "num_sms", "profile_gap", "q", "scale", "serving_gap", "source", "spec")
 
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
@@ -569,6 +571,7 @@ class FittedModel:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
         self._co_last: tuple | None = None  # _co_of's last (co-runner, its SMs, (HBM demand TB/s, GEMM share))
+        self._gemm_s: dict[tuple, float] = {}  # _gemm_seconds by what it reads: (layers, tokens, rows, SMs)
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
@@ -679,7 +682,7 @@ class FittedModel:
             t = self.eager_next_to(work, t, n, co, co_sms, arr)
         if self.host:
             h = self.host_time(work)
-            t = np.maximum(t, h) if arr else max(t, h)
+            t = np.maximum(t, h) if arr else (h if h > t else t)  # noqa: FURB136 -- max() parses its arguments
         return t
 
     def decode_steps(self, work: Work, steps: int, num_sms, co: Work | None = None, co_sms=0) -> np.ndarray:
@@ -931,7 +934,13 @@ class FittedModel:
         last = self._co_last
         if last is not None and last[1] == co_sms and last[0] == co:
             return last[2]
-        alone, s = self.gpu_time(co, co_sms), self._gemm_seconds(co, co_sms)
+        key = (co.num_layers, co.tokens, co.seqs, co_sms)  # (every decode co-runner is new: its KV grows)
+        s = self._gemm_s.get(key)
+        if s is None:
+            if len(self._gemm_s) >= 65536:
+                self._gemm_s.clear()
+            s = self._gemm_s[key] = self._gemm_seconds(co, co_sms)
+        alone = self.gpu_time(co, co_sms)
         out = (self.q.bytes_of(co) / alone * 1e-12, s / alone if s else 0.0)
         self._co_last = (co, co_sms, out)
         return out
