@@ -178,7 +178,10 @@ class SimExecutor:
         """A running flight goes on from ``now`` at the rate of ``duration`` for all its work: the progress
         made so far is kept, its end moved."""
         if f.duration:  # already running: conserve progress, change rate
-            f.progress = progress = min(1.0, f.progress + (now - f.mark) / f.duration)
+            progress = f.progress + (now - f.mark) / f.duration
+            if progress > 1.0:  # noqa: PLR1730 -- min() costs a builtin's argument parsing
+                progress = 1.0
+            f.progress = progress
             if f.knots is None:
                 f.knots = [(now, progress)]
             else:

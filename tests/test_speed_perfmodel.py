@@ -148,3 +148,43 @@ def test_fitted_co_scalar_is_the_features_dict_summed():
         for family in ("co_eager", "co_decode"):
             want = fm.f[family].scalar(fm.co_features(n, co, cs, False, own), 0)
             assert repr(fm._co_scalar(family, n, co, cs, own)) == repr(want), (family, n, co, cs, own)
+
+
+def test_fitted_stretch_setup_shared_by_co_runners_of_one_sm_split():
+    """A decode stretch's setup is memoised by the co-runner's SM split alone where co_decode reads SM counts only
+    (the shipped fit): next to many prefill co-runners in turn (disjoint SMs, and overlapping ones of several token
+    counts: naive concurrency), every stretch is still decode_steps to the bit."""
+    fm = models()["fitted"]
+    assert fm._setup_by_sms  # (what this test is about: the shipped fit's co_decode reads SM counts alone)
+    rng = np.random.default_rng(29)
+    works = [random_decode(rng) for _ in range(4)]
+    for _ in range(400):
+        w = works[int(rng.integers(0, len(works)))]
+        t = int(rng.choice([7, 300, 301, 2048, int(rng.integers(1, 8000))]))
+        co = Work(32, t, 1, t * (t + 1) / 2, t, 1, True, t)
+        n, cs = (40, 92) if rng.random() < 0.5 else (N, N)  # static split, or both lanes on the whole GPU
+        steps = int(rng.integers(1, FLOAT_STRETCH + 1))
+        times, ends = fm.decode_step_ends(w, steps, n, co, cs)
+        ref = fm.decode_steps(w, steps, n, co, cs)
+        assert np.array_equal(np.asarray(times), ref), (w, steps, n, co, cs)
+        assert np.array_equal(ends, ref.cumsum())
+
+
+def test_fitted_co_runner_terms_memoised_by_shape_are_a_fresh_models():
+    """The co-runner's GEMM seconds are memoised by the shape they read (layers, tokens, rows, SMs): a prefill
+    predicted next to a stream of decode co-runners of a few shapes (each one new: its KV grows), on int and numpy
+    SM counts, gets the numbers a model asked nothing before gives, and the co-runner terms are its stand-alone
+    demand and GEMM share computed directly."""
+    fm = models()["fitted"]
+    rng = np.random.default_rng(31)
+    prefill = Work(32, 900, 1, 900 * 901 / 2, 900, 1, True, 900)
+    for _ in range(300):
+        b = int(rng.choice([1, 2, 10, 64]))
+        kv = int(rng.integers(b, 40000))
+        co = Work(32, b, b, float(kv), kv, b, True, kv // b + 1) if rng.random() < 0.9 else prefill
+        cs = int(rng.choice([40, 56, 92]))
+        cs = np.int64(cs) if rng.random() < 0.2 else cs
+        fresh = models()["fitted"]
+        assert fm.predict(prefill, N - int(cs), co, cs) == fresh.predict(prefill, N - int(cs), co, cs), (co, cs)
+        alone, s = fresh.gpu_time(co, int(cs)), fresh._gemm_seconds(co, int(cs))
+        assert fm._co_of(co, cs) == (fresh.q.bytes_of(co) / alone * 1e-12, s / alone if s else 0.0)

@@ -83,8 +83,15 @@ def shared_sms(n: int, co_sms: int, work: Work, co: Work, total: int) -> tuple[i
     if overlap <= 0:
         return n, co_sms
     mine = sqrt(work.tokens) / (sqrt(work.tokens) + sqrt(co.tokens))
-    take = min(overlap - 1, max(1, round(overlap * mine)))
-    return max(1, n - overlap + take), max(1, int(co_sms) - take)
+    # min(overlap - 1, max(1, round(...))), max(1, ...) as conditionals (the builtins parse their arguments; naive
+    # concurrency asks this for every new pair of token counts)
+    take = round(overlap * mine)
+    if take < 1:  # noqa: PLR1730
+        take = 1
+    if take > overlap - 1:  # noqa: PLR1730
+        take = overlap - 1
+    mine_n, co_n = n - overlap + take, int(co_sms) - take
+    return (mine_n if mine_n > 1 else 1), (co_n if co_n > 1 else 1)  # noqa: FURB136
 
 
 class LatencyModel(Protocol):

@@ -370,8 +370,10 @@ class Quantities:
     def prefix(w: Work) -> float:
         """Cached-prefix tokens of the longest chunk: max_kv - tokens (exact for one prompt; a mixed launch's
         one-token decode rows, whose KV the paged decode kernel reads, count only through ``kv``)."""
-        mk = w.max_kv or w.kv_read // max(1, w.seqs)
-        return float(max(0, min(w.kv_read, mk) - w.tokens))
+        _, tokens, seqs, _, kv, _, _, mk = w
+        mk = mk or kv // max(1, seqs)
+        p = (mk if mk < kv else kv) - tokens  # noqa: FURB136 -- min(kv, mk), max(0, p): the builtins parse arguments
+        return float(p) if p > 0 else 0.0
 
     def eager(self, w: Work, n, graphed: bool = False) -> dict:
         """An eager or graphed prefill/mixed launch; ``eager_tokens`` are the tokens of one no prefill graph
@@ -561,10 +563,10 @@ class FittedModel:
     host time of eager launches out (see the module docstring)."""
 
     # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
-    __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_host", "_host_terms",
-                 "_own", "_own_fl", "_own_last", "_parts", "_raw", "_share", "_slow", "_sm_bw_table", "_sm_only",
-                 "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels", "num_sms", "profile_gap", "q",
-                 "scale", "serving_gap", "source", "spec")
+    __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_gemm_s", "_host",
+                 "_host_terms", "_own", "_own_fl", "_own_last", "_parts", "_raw", "_setup_by_sms", "_share", "_slow",
+                 "_sm_bw_table", "_sm_only", "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels",
+                 "num_sms", "profile_gap", "q", "scale", "serving_gap", "source", "spec")
 
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
@@ -597,6 +599,7 @@ class FittedModel:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise ConfigError(f"{source}: not a valid fitted latency model: {what}") from None
         self._co_last: tuple | None = None  # _co_of's last (co-runner, its SMs, (HBM demand TB/s, GEMM share))
+        self._gemm_s: dict[tuple, float] = {}  # _gemm_seconds by what it reads: (layers, tokens, rows, SMs)
         self._parts: dict[tuple, tuple[float, float, float]] = {}
         self._eager: dict[tuple, float] = {}  # (work, SMs) -> stand-alone GPU seconds of an eager launch
         self._slow: dict[tuple, float] = {}  # (family, SMs, co-runner, its SMs, own) -> slowdown (scalar path)
@@ -611,6 +614,9 @@ class FittedModel:
                          if not set(self.f[name].quantities) & {"co_bw", "co_bw_share", "own_bw_co_bw",
                                                                  "own_flops_co_sm", "co_gemm_co_sm", "co_tc_co_sm",
                                                                  "co_gemm_half"}}
+        # co_decode reads SM counts alone: a decode stretch's setup (_decode_setup) then depends on its co-runner
+        # only through their SM split (_setup_co), not on the co-runner itself
+        self._setup_by_sms = "co_decode" in self._sm_only
         # the co families' terms as (index in CO_FEATURES, weight): Linear.scalar's sum without a dict of features
         self._co_terms = {name: tuple((CO_FEATURES.index(q), tab[0]) for q, tab in zip(lin.quantities, lin.lists))
                           for name, lin in ((n, self.f[n]) for n in ("co_decode", "co_eager"))
@@ -706,7 +712,7 @@ class FittedModel:
             t = self.eager_next_to(work, t, n, co, co_sms, arr)
         if self.host:
             h = self.host_time(work)
-            t = np.maximum(t, h) if arr else max(t, h)
+            t = np.maximum(t, h) if arr else (h if h > t else t)  # noqa: FURB136 -- max() parses its arguments
         return t
 
     def decode_steps(self, work: Work, steps: int, num_sms, co: Work | None = None, co_sms=0) -> np.ndarray:
@@ -744,7 +750,8 @@ class FittedModel:
             times = self.decode_steps(work, steps, num_sms, co, co_sms)
             return times, times.cumsum()
         L, tokens, seqs, _, kv0, _, _, max_kv = work
-        key = (L, tokens, seqs, num_sms, co, co_sms, type(co_sms))
+        of_co = co if co is None or not self._setup_by_sms else self._setup_co(work, co, num_sms, co_sms)
+        key = (L, tokens, seqs, num_sms, of_co, co_sms, type(co_sms))
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
@@ -801,6 +808,13 @@ class FittedModel:
         else:
             times = times[:]
         return times, list(accumulate(times))
+
+    def _setup_co(self, work: Work, co: Work, num_sms: int, co_sms) -> int | tuple[int, int]:
+        """What of the co-runner a decode stretch's setup reads when co_decode reads SM counts alone: nothing on
+        disjoint SMs (-1), else the SMs the two launches get (naive concurrency's split, :meth:`_shared_sms`)."""
+        if 0 <= co_sms and num_sms + co_sms <= self.num_sms:
+            return -1
+        return self._shared_sms(num_sms, int(co_sms), work, co)
 
     def _decode_setup(self, work: Work, num_sms: int, co: Work | None, co_sms, key: tuple) -> tuple:
         """What a short decode stretch needs that depends only on (layers, batch, SMs, co-runner), memoised
@@ -951,7 +965,13 @@ class FittedModel:
         last = self._co_last
         if last is not None and last[1] == co_sms and last[0] == co:
             return last[2]
-        alone, s = self.gpu_time(co, co_sms), self._gemm_seconds(co, co_sms)
+        key = (co.num_layers, co.tokens, co.seqs, co_sms)  # (every decode co-runner is new: its KV grows)
+        s = self._gemm_s.get(key)
+        if s is None:
+            if len(self._gemm_s) >= 65536:
+                self._gemm_s.clear()
+            s = self._gemm_s[key] = self._gemm_seconds(co, co_sms)
+        alone = self.gpu_time(co, co_sms)
         out = (self.q.bytes_of(co) / alone * 1e-12, s / alone if s else 0.0)
         self._co_last = (co, co_sms, out)
         return out

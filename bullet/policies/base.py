@@ -339,7 +339,9 @@ class Scheduler:
     def _prefill_chunk(self, req: Request, budget: int) -> Chunk:
         start = req.num_computed
         known = req.prompt_len + req.num_output
-        n = min(known - start, budget)
+        n = known - start
+        if budget < n:  # noqa: PLR1730 -- min(): see _stretch
+            n = budget
         ids = None
         if req.prompt_ids is not None:
             ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
@@ -354,7 +356,9 @@ class Scheduler:
                 return budget
             if r.id in self.busy or r.id not in self.partial:
                 continue  # in flight, or preempted just now
-            n = min(r.remaining, budget)
+            n = r.remaining
+            if budget < n:  # noqa: PLR1730
+                n = budget
             if not self._reserve(r, r.num_computed + n):
                 continue
             chunks.append(self._prefill_chunk(r, n))
@@ -364,7 +368,9 @@ class Scheduler:
         while budget > 0 and self.admissible():
             r = self.waiting[0]
             self._admit(r)  # rules 2-3 leave room for the whole prefill: no preemption to admit new work
-            n = min(r.remaining, budget)
+            n = r.remaining
+            if budget < n:  # noqa: PLR1730
+                n = budget
             self.kv.allocate(r.id, r.num_computed + n)
             chunks.append(self._prefill_chunk(r, n))
             reqs.append(r)
@@ -444,13 +450,18 @@ class Scheduler:
         # decode steps after the first: up to the first completion (the last one when the policy rides past
         # completions and nobody could take a freed seat: see ride_past_end) and max_decode_steps
         left = [r.max_new_tokens - r.num_output for r in reqs]
-        extra = min(self.cfg.max_decode_steps, min(left)) - 1
+        extra = min(left)
+        # (an if, not min(): the builtin's argument parsing costs ~1,300 instructions a call against ~200, and the
+        # per-launch path made several: bench/RESULTS.md, sixteenth speed pass)
+        if self.cfg.max_decode_steps < extra:  # noqa: PLR1730
+            extra = self.cfg.max_decode_steps
+        extra -= 1
         if self.ride_past_end and horizon is not None and co is None and not self.waiting \
                 and len(self.running) < self.cfg.max_num_seqs and self.ahead is None:
             # (a row past its end writes positions below the model's limit)
             extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
                                    + 1) - 1)
-        if extra > 0 and len(chunks) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
+        if extra > 0 and len(reqs) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
             tables = kv.tables
             extra = self._kv_steps([len(tables[r.id]) * bs - off - e for r, e in zip(reqs, ends)], extra)
         if extra > 0 and horizon is not None:
@@ -478,17 +489,20 @@ class Scheduler:
         steps = extra + 1
         per_step = self._step_s
         if per_step > 0.0 and budget < per_step * steps:
-            guess = max(2, int(budget / per_step * 1.25) + 2)
+            guess = int(budget / per_step * 1.25) + 2
+            if guess < 2:  # noqa: PLR1730 -- a horizon already past
+                guess = 2
             while guess < steps:
                 cum = step_ends(self.latency, work, guess, num_sms, co, co_sms)
                 within = bisect_left(cum, budget)  # (cum.searchsorted(budget), without numpy's call cost)
                 if within < guess:
                     self._step_s = float(cum[-1]) / guess
-                    return min(extra, within)
+                    return within if within < extra else extra  # noqa: FURB136 -- min(): see _stretch
                 guess *= 4
         cum = step_ends(self.latency, work, steps, num_sms, co, co_sms)
         self._step_s = float(cum[-1]) / steps
-        return min(extra, bisect_left(cum, budget))
+        within = bisect_left(cum, budget)
+        return within if within < extra else extra  # noqa: FURB136
 
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;

@@ -44,7 +44,10 @@ class StaticSplit(LayerSliced):
             self.job = (tuple(chunks), reqs, 0)
         chunks, reqs, first = self.job
         step = self.cfg.prefill_layers(self.model.num_layers)
-        batch = Batch(self.prefill_part, range(first, min(first + step, self.model.num_layers)), chunks)
+        stop = first + step
+        if stop > self.model.num_layers:  # noqa: PLR1730 -- min(): see Scheduler._stretch
+            stop = self.model.num_layers
+        batch = Batch(self.prefill_part, range(first, stop), chunks)
         decode = self.inflight.get("decode")
         co = batch_work(self.latency, decode[0], self.model.num_layers) if decode else None
         work = self.prefill_work = batch_work(self.latency, batch, self.model.num_layers)
