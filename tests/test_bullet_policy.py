@@ -497,7 +497,8 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
         k = sum(1 for r in self.waiting if r.id in self.rank)
         fresh = list(self.waiting)[k:]
         assert [e[:4] for e in self._by_deadline] == sorted((self.deadline[r.id], r.id, r.known, r) for r in fresh)
-        assert all(e[4] == (-e[2], -e[0], -e[1], e[:4]) for e in self._by_deadline)
+        late_key = {r.id: self.deadline[r.id] + mod.LATE_GRACE * self.target[r.id] for r in fresh}
+        assert all(e[4] == (-e[2], -e[0], -e[1], (*e[:4], (late_key[e[1]], e[1], e[3]))) for e in self._by_deadline)
         assert self._by_length == sorted((r.known, r.id, self.deadline[r.id], r) for r in fresh)
         seen["orders"] += bool(fresh)
         return order(self, now)
