@@ -961,20 +961,31 @@ class Bullet(LayerSliced):
         late: list[tuple] = []  # the items' entries: (deadline, id, known, request, (late key, id, request))
         push, pop = heapq.heappush, heapq.heappop
         t, c = now, -1  # c: the kept requests less one (the seat the latest waits for)
-        for e in by_deadline:
-            deadline, i, known, _, item = e
+        # (a plain list until the first drop, then a heap: the same requests are dropped, as pops take the
+        # largest item of a total order whatever the heap's layout)
+        heaped = False
+        for deadline, i, known, _, item in by_deadline:
             if shed and i in shed:
                 late.append(item[3])
                 continue
-            push(kept, item)
             cost = known * per_token
             t += cost
             c += 1
             if t > deadline or seats[c] + cost > deadline:  # its prefill or its seat comes too late
-                x = pop(kept)
+                if not heaped:
+                    kept.append(item)
+                    heapq.heapify(kept)
+                    heaped = True
+                    x = pop(kept)
+                else:
+                    x = heapq.heappushpop(kept, item)
                 t += x[0] * per_token
                 late.append(x[3])
                 c -= 1
+            elif heaped:
+                push(kept, item)
+            else:
+                kept.append(item)
         on_time = self._late_ones(now, late, per_token)
         if k:
             for _ in range(len(waiting) - k):
