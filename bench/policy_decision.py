@@ -5,13 +5,25 @@ pause check), the queue order (EDF with lateness) and the decode lane's idle dec
 order are timed as a launch meets them (a decode launch came back since the last view: the arrays advanced, the
 view and the seat releases gathered afresh) and with the decoding requests unchanged (the gathered arrays reused).
 
+The last rows time whole decisions, ``schedule(lane, ...)`` as ``serve()`` calls it, each on a state of its own
+(another seed each: other prompts, outputs and deadlines), built, warmed up and then timed once: a decision changes
+the state (it admits, launches), so it cannot be repeated on one. Warmed up: a twin of the state (the same seed)
+decides just before, so the code is warm and the searches' warm starts and the per-token prefill speed are the
+twin's answers (the last decision's); then a one-step decode launch of every decoding request comes back to the
+state through ``on_result``, as the engine hands it over before the decision. Each repeat is the mean over the states; the table gives the best of 5 repeats, as for the pieces.
+The pieces above run hot (one state, its data in the nearest caches): a whole decision costs more than its pieces.
+
     python3 bench/policy_decision.py [--latency roofline|fitted|PATH] [--running 256] [--waiting 64]
+                                     [--states 30] [--rows all|pieces|decisions]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -19,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bullet.batch import Batch
+from bullet.batch import Batch, DecodeChunks, StepResult
 from bullet.config import GPUS, MODELS, SchedulerConfig, SloConfig
 from bullet.kvcache import BlockManager
 from bullet.perfmodel import work_of
@@ -29,10 +41,12 @@ from bullet.request import Request
 from simulator.run import latency_model
 
 
-def state(running: int, waiting: int, latency):
+def state(running: int, waiting: int, latency, seed: int = 0, seats: int = 256, job: bool = True):
+    """``running`` requests decoding and ``waiting + 1`` queued, the first of which becomes the prefill job (its
+    first slice not run) with ``job``; ``seats``: max_num_seqs."""
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
-    rng = np.random.default_rng(0)
-    sched = make_scheduler(SchedulerConfig(policy="bullet"), model, gpu, BlockManager(60_000, 16),
+    rng = np.random.default_rng(seed)
+    sched = make_scheduler(SchedulerConfig(policy="bullet", max_num_seqs=seats), model, gpu, BlockManager(60_000, 16),
                            CachedLatency(latency), slo=SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.15))
     now = 100.0
     for i in range(running):
@@ -45,6 +59,8 @@ def state(running: int, waiting: int, latency):
         r.first_token_time = r.arrival + 0.5
     for i in range(running, running + waiting + 1):  # the first becomes the prefill job: `waiting` stay queued
         sched.add(Request(i, now - float(rng.uniform(0, 1)), int(rng.integers(100, 3000)), 300))
+    if not job:
+        return sched, now, None
     job = [sched.waiting[0]]
     sched._admit(job[0])  # (takes it off the queue)
     sched.kv.allocate(job[0].id, job[0].known)
@@ -54,14 +70,83 @@ def state(running: int, waiting: int, latency):
     return sched, now, work
 
 
+def came_back(sched, now: float) -> None:
+    """A one-step decode launch of every decoding request on the whole GPU came back just now, through
+    ``on_result`` as the engine hands it over (every decoding request one token further, the decode arrays
+    advanced, their gathered view and sorted tokens left dropped)."""
+    sched._view(sched._decoding(), now)  # (makes the decode arrays and gathers the decoding slots)
+    reqs = sched._one_step(sched._decoders())
+    tables = sched.kv.tables
+    chunks = DecodeChunks(reqs, [r.num_computed for r in reqs], [tables[r.id] for r in reqs])
+    batch = sched._launch("decode", Batch(sched._part("decode", sched.N), sched.all_layers, chunks), reqs)
+    sched._note_decode_end(batch, now, None, 0)
+    sched.on_result(StepResult(batch, now - 0.01, now, [now], None))
+
+
+def decision_states(running: int, waiting: int, latency, kind: str, seed: int, twin_latency=None):
+    """A state (:func:`state`, seeded) for a whole decision of ``kind``, warmed up; returns (the scheduler,
+    now, the lane to schedule, the twin). ``new-job``: ``running - 1`` decoding (a request finished in the launch
+    that came back), its seat free, no job, ``waiting + 1`` queued; the prefill decision orders the queue and
+    admits its head into the last seat (``waiting`` stay queued, the queue then blocked). ``slice``: seats full,
+    the job's first slice came back, then the decode launch. ``blocked``: seats full, no job: the prefill
+    decision orders the queue and finds nobody admissible. ``decode-beside``: the decode lane right after
+    ``new-job``'s prefill decision (its first slice in flight). ``decode-whole``: the decode lane, prefill idle,
+    seats full and nobody admissible: a stretch on the whole GPU. ``twin_latency``: the twin's model (another
+    instance: the fitted model memoises parts of its predictions, and the twin's would be the timed decision's)."""
+    n = running - 1 if kind in ("new-job", "decode-beside") else running  # (a request finished: its seat free)
+    (sched, now, _), (twin, _, _) = [state(n, waiting, model, seed, running, job=kind == "slice")
+                                     for model in (latency, twin_latency or latency)]
+    lanes = {"decode-beside": ("prefill", "decode"), "decode-whole": ("decode",)}.get(kind, ("prefill",))
+    for s in (twin, sched):  # the twin decides first: its answers warm-start the timed decision's searches
+        if kind == "slice":
+            s.job = (*s.job[:2], 8)  # (its first 8 layers done)
+        came_back(s, now)
+        if s is twin:
+            for lane in lanes:
+                twin.schedule(lane, now, None)
+    sched._last.update(twin._last)
+    sched._per_token.update(twin._per_token)
+    sched._step_s = twin._step_s  # (a decode stretch's steps are first timed to a guess from the last one's)
+    if kind == "decode-beside":
+        sched.schedule("prefill", now, None)
+    return sched, now, lanes[-1], twin
+
+
+def time_decisions(running: int, waiting: int, latency, twin_latency, kind: str, states: int,
+                   repeat: int = 5) -> float:
+    """The best of ``repeat`` means over ``states`` seeded states of one ``schedule()`` call each (seconds), each
+    timed right after its twin's decision (the twin alive until then). On this VM a decision run right after
+    other code cost 2-10x: 3-6x just after a state's build, ~2x on states built first and decided in turn (their
+    data out of the caches), ~2x again after freeing a twin; with the twin's decision just before, the code is
+    warm and the state's data (built some 20 ms earlier) about as near as in a simulation, where a launch's
+    results and the other lane's decision come between two decisions."""
+    best = math.inf
+    for _ in range(repeat):
+        total = 0.0
+        for seed in range(1, states + 1):
+            sched, now, lane, twin = decision_states(running, waiting, latency, kind, seed, twin_latency)
+            gc.disable()
+            t0 = time.perf_counter()
+            sched.schedule(lane, now, None)
+            total += time.perf_counter() - t0
+            gc.enable()
+            del sched, twin
+        best = min(best, total / states)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--latency", default="roofline")
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--waiting", type=int, default=64)
+    ap.add_argument("--states", type=int, default=30, help="seeded states per whole-decision row")
+    ap.add_argument("--rows", choices=("all", "pieces", "decisions"), default="all")
     args = ap.parse_args()
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
-    sched, now, work = state(args.running, args.waiting, latency_model(args.latency, model, gpu))
+    latency = latency_model(args.latency, model, gpu)
+    twin_latency = latency_model(args.latency, model, gpu)  # (the whole decisions' twins': see decision_states)
+    sched, now, work = state(args.running, args.waiting, latency)
     view = sched._view(sched._decoding(), now)
     arrays = sched._arrays  # (None below ARRAYS_FROM running requests: the view is a Python pass)
     slots = arrays.slots(sched._decoders()) if arrays is not None else None
@@ -105,10 +190,23 @@ def main() -> None:
           f"{args.latency}\n")
     print("| piece | us per call |")
     print("|---|---:|")
-    for name, fn in cases.items():
+    for name, fn in cases.items() if args.rows != "decisions" else ():
         n, _ = timeit.Timer(fn).autorange()
         best = min(timeit.repeat(fn, number=n, repeat=5)) / n
         print(f"| {name} | {best * 1e6:.1f} |")
+    R, W = args.running, args.waiting
+    decisions = {
+        f"whole decision, prefill lane: a new job after a decode launch came back ({R - 1} decoding, one seat "
+        f"free, {W + 1} queued: schedule() orders the queue, admits the head, sizes its first slice)": "new-job",
+        f"whole decision, prefill lane: the job's next slice after a decode launch came back (seats full, {W} "
+        "queued)": "slice",
+        f"whole decision, prefill lane: seats full, no job ({W + 1} queued: the order, nobody admissible)": "blocked",
+        "whole decision, decode lane: beside the new job's first slice (right after the prefill decision)":
+            "decode-beside",
+        "whole decision, decode lane: prefill idle, the queue blocked (a stretch on the whole GPU)": "decode-whole",
+    }
+    for name, kind in decisions.items() if args.rows != "pieces" else ():
+        print(f"| {name} | {time_decisions(R, W, latency, twin_latency, kind, args.states) * 1e6:.1f} |")
 
 
 if __name__ == "__main__":

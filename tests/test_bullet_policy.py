@@ -17,6 +17,7 @@ from bullet.engine import serve
 from bullet.kvcache import BlockManager
 from bullet.perfmodel import Work
 from bullet.policies import make_scheduler
+from bullet.policies.base import SchedulingError
 from bullet.policies.bullet import LATE_GRACE
 from bullet.request import Request
 from simulator import SimExecutor
@@ -497,7 +498,8 @@ def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
         k = sum(1 for r in self.waiting if r.id in self.rank)
         fresh = list(self.waiting)[k:]
         assert [e[:4] for e in self._by_deadline] == sorted((self.deadline[r.id], r.id, r.known, r) for r in fresh)
-        assert all(e[4] == (-e[2], -e[0], -e[1], e[:4]) for e in self._by_deadline)
+        late_key = {r.id: self.deadline[r.id] + mod.LATE_GRACE * self.target[r.id] for r in fresh}
+        assert all(e[4] == (-e[2], -e[0], -e[1], (*e[:4], (late_key[e[1]], e[1], e[3]))) for e in self._by_deadline)
         assert self._by_length == sorted((r.known, r.id, self.deadline[r.id], r) for r in fresh)
         seen["orders"] += bool(fresh)
         return order(self, now)
@@ -692,6 +694,84 @@ def test_a_full_house_waits_for_a_seat_release():
         assert sched._seat_releases(0.0, 0, 1) == (0, [pytest.approx(5 * step)])
         sched._order(0.0)
         assert sched.num_late == late
+
+
+
+def reference_order(fresh, deadline, target, now, per_token, free, releases, shed, reject):
+    """The queue _order makes, from scratch and by the plainest means: Moore-Hodgson over the requests by
+    (deadline, id), each kept one waiting for seat release c - free (c: the kept before it), the longest kept
+    (then the latest due, then the highest id) dropped when one would end late; shed ones late from the start.
+    The on-time ones shortest first if that meets every one of their deadlines, else by deadline; each late one
+    (by its deadline + LATE_GRACE targets, then id) before the first on-time one due after that key."""
+    kept, late, t = [], [], now
+    for r in sorted(fresh, key=lambda r: (deadline[r.id], r.id)):
+        if r.id in shed:
+            late.append(r)
+            continue
+        kept.append(r)
+        cost = r.known * per_token
+        t += cost
+        j = len(kept) - 1 - free
+        seat = releases[j] if 0 <= j < len(releases) else -math.inf
+        if t > deadline[r.id] or seat + cost > deadline[r.id]:
+            x = max(kept, key=lambda q: (q.known, deadline[q.id], q.id))
+            kept.remove(x)
+            t -= x.known * per_token
+            late.append(x)
+    on_time, t = sorted(kept, key=lambda r: (r.known, r.id)), now
+    for r in on_time:
+        t += r.known * per_token
+        if t > deadline[r.id]:
+            on_time = sorted(kept, key=lambda r: (deadline[r.id], r.id))
+            break
+    keyed = [] if reject else sorted(late, key=lambda r: (deadline[r.id] + LATE_GRACE * target[r.id], r.id))
+    out = []
+    for r in on_time:
+        while keyed and deadline[keyed[0].id] + LATE_GRACE * target[keyed[0].id] < deadline[r.id]:
+            out.append(keyed.pop(0))
+        out.append(r)
+    return out + keyed, {r.id for r in late}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_order_equals_a_plain_moore_hodgson(seed):
+    """Random queues (some requests deferred, a lull now and then, some seats taken by decoding requests, arrivals
+    and admissions in between): after every _order, the queue and the late set equal :func:`reference_order`'s from scratch, given
+    the same per-token prefill speed and seat releases (what _order reads from the latency model)."""
+    rng = np.random.default_rng(seed)
+    reject = seed % 4 == 3
+    sched, _ = make(SloConfig(ttft=None, ttft_per_token=float(rng.choice([0.0005, 0.002])), tpot=0.05),
+                    max_num_seqs=int(rng.integers(4, 40)), admission_control=reject)
+    for i in range(int(rng.integers(0, sched.cfg.max_num_seqs + 1))):
+        sched.running.append(decoding(10_000 + i, int(rng.integers(1, 50)), 0.0, 60, 150))
+    now, n = 1.0, 0
+    for _ in range(8):
+        for _ in range(int(rng.integers(1, 30))):  # arrivals
+            r = Request(n, now - float(rng.uniform(0, 0.5)), int(rng.integers(1, 800)), 10)
+            n += 1
+            try:
+                sched.add(r)
+            except SchedulingError:  # (admission control refused it on arrival)
+                continue
+            if rng.random() < 0.15:
+                sched._shed.add(r.id)
+        lull = bool(rng.random() < 0.2)  # (the arrivals' load is not under test: whether it calls a lull is set)
+        sched._lull = lambda now, lull=lull: lull
+        fresh, shed = list(sched.waiting), set() if lull else set(sched._shed)
+        deadline, target = dict(sched.deadline), dict(sched.target)
+        per_token = sched._prefill_per_token()
+        free, releases = sched._seat_releases(now, 0, len(fresh))
+        want, late = reference_order(fresh, deadline, target, now, per_token, free, releases, shed, reject)
+        sched._order(now)
+        if len(fresh) == 1 and not late:  # (the one-request path: nothing moves)
+            want = fresh
+        assert [r.id for r in sched.waiting] == [r.id for r in want]
+        assert late <= sched._late | {r.id for r in sched.rejected} and (reject or late <= sched._late)
+        assert not reject or {r.id for r in sched.rejected} >= late
+        for _ in range(int(rng.integers(0, 4))):  # admissions from the head
+            if sched.waiting:
+                sched._admit(sched.waiting[0])
+        now += float(rng.uniform(0.01, 0.3))
 
 
 # ---- requests deferred on arrival when the recent arrivals overload the GPU (_shed_on_arrival) -------------

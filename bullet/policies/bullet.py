@@ -161,8 +161,10 @@ class DecodeArrays:
         self.t1 = np.zeros(64)  # first_token_time (nan: none yet)
         self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
         # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
-        # until a request joins, leaves or syncs; their view's inputs (work, left, a0, t1), until any change; the
-        # running requests' tokens left, sorted (_seat_releases)
+        # until a decoding request joins, leaves or syncs; their view's inputs (work, left, a0, t1), until any
+        # change to a decoding slot (a request joining to prefill changes neither: a new job's admission keeps
+        # what its decision's seat releases gathered for its view); the running requests' tokens left, sorted
+        # (_seat_releases), until any change
         self._dec: tuple | None = None
         self._kept: tuple | None = None
         self._sorted: np.ndarray | None = None
@@ -194,12 +196,15 @@ class DecodeArrays:
         s = self.slot.get(r.id)
         if s is None:
             return
-        self.dec[s] = r.num_output > 0
+        dec = r.num_output > 0
+        if dec or self.dec[s]:  # (a slot that neither was nor is decoding is in no gathered view: kept)
+            self._dec = self._kept = None
+        self.dec[s] = dec
         left = self.left[s] = r.max_new_tokens - r.num_output
         self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
-        self._dec = self._kept = self._sorted = None
+        self._sorted = None
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
@@ -309,7 +314,8 @@ class Bullet(LayerSliced):
         self._late: set[int] = set()  # those of them still held (each is counted once)
         # the fresh part of the queue (never admitted), kept sorted for _order: by (TTFT deadline, id) and by
         # (known tokens, id), each entry with the other of the two (and the first with _order's heap item, made
-        # once); neither changes while a request waits
+        # once, which ends with (deadline, id, known, request, (late key, id, request)): the entry _order and
+        # _late_ones pass around, the late key _late_key's); none of them changes while a request waits
         self._by_deadline: list[tuple[float, int, int, Request, tuple]] = []
         self._by_length: list[tuple[int, int, float, Request]] = []
         self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
@@ -343,7 +349,8 @@ class Bullet(LayerSliced):
             self._shed.add(req.id)
             self.num_shed += 1
         i, known = req.id, req.known
-        first = (deadline, i, known, req)  # (and below, with _order's max-heap item: longest, then latest due)
+        # (and below, with _order's max-heap item: longest, then latest due; the late key as _late_key sums it)
+        first = (deadline, i, known, req, (deadline + LATE_GRACE * target, i, req))
         keys = self._queued[i] = ((deadline, i, known, req, (-known, -deadline, -i, first)), (known, i, deadline, req))
         insort(self._by_deadline, keys[0])
         insort(self._by_length, keys[1])
@@ -957,23 +964,34 @@ class Bullet(LayerSliced):
         # kept: a max-heap of the kept lengths, of (-known, -deadline, -id, entry) items (made on arrival): the
         # longest first, then the latest due
         kept: list[tuple[int, float, int, tuple]] = []
-        late: list[tuple] = []  # entries of _by_deadline (their first four fields)
+        late: list[tuple] = []  # the items' entries: (deadline, id, known, request, (late key, id, request))
         push, pop = heapq.heappush, heapq.heappop
         t, c = now, -1  # c: the kept requests less one (the seat the latest waits for)
-        for e in by_deadline:
-            deadline, i, known, _, item = e
+        # (a plain list until the first drop, then a heap: the same requests are dropped, as pops take the
+        # largest item of a total order whatever the heap's layout)
+        heaped = False
+        for deadline, i, known, _, item in by_deadline:
             if shed and i in shed:
-                late.append(e)
+                late.append(item[3])
                 continue
-            push(kept, item)
             cost = known * per_token
             t += cost
             c += 1
             if t > deadline or seats[c] + cost > deadline:  # its prefill or its seat comes too late
-                x = pop(kept)
+                if not heaped:
+                    kept.append(item)
+                    heapq.heapify(kept)
+                    heaped = True
+                    x = pop(kept)
+                else:
+                    x = heapq.heappushpop(kept, item)
                 t += x[0] * per_token
                 late.append(x[3])
                 c -= 1
+            elif heaped:
+                push(kept, item)
+            else:
+                kept.append(item)
         on_time = self._late_ones(now, late, per_token)
         if k:
             for _ in range(len(waiting) - k):
@@ -1002,7 +1020,9 @@ class Bullet(LayerSliced):
             step = float(self.latency.predict(work, d))
         else:  # the knee's search predicted its step on the knee already
             seen: dict[int, float] = {}
-            d = self._decode_knee(work, None, seen=seen)
+            # (its own warm start: the split's knee, next to the job's slice, answers another size, and one
+            # search name for both made each of a new job's two knees miss the other's answer and bisect)
+            d = self._decode_knee(work, None, search="seat_knee", seen=seen)
             step = float(seen[d] if d in seen else self.latency.predict(work, d))
         if arrays is not None:  # every running request's tokens left, from the arrays (no Python pass)
             return free, (now + step * arrays.sorted_left()[:fresh - free]).tolist()
@@ -1010,16 +1030,17 @@ class Bullet(LayerSliced):
         return free, [now + step * n for n in left[:fresh - free]]
 
     def _late_ones(self, now: float, late: list[tuple], per_token: float) -> list[Request]:
-        """Count the requests predicted to miss their TTFT (``late``: entries of ``_by_deadline``); reject them
+        """Count the requests predicted to miss their TTFT (``late``: the entries of ``_order``'s items); reject them
         (admission control) or merge each in before the first on-time request due after its key (its deadline
         + LATE_GRACE targets). Returns the queue's new fresh part: the on-time requests shortest first where
         that breaks none of their deadlines, else by deadline, with the late ones merged in."""
         skip = {e[1] for e in late}
-        fresh_late = [i for i in skip if i not in self._late]
-        self.num_late += len(fresh_late)
-        self._late.update(fresh_late)
+        fresh_late = skip - self._late
+        if fresh_late:
+            self.num_late += len(fresh_late)
+            self._late |= fresh_late
         reject = self.cfg.admission_control
-        keyed = [] if reject else sorted([(self._late_key(e[1]), e[1], e[3]) for e in late])
+        keyed = [] if reject else sorted([e[4] for e in late])  # ((late key, id, request): _late_key's sum)
         out = None
         if len(self._by_deadline) - len(skip) > 1:
             out = self._merged(self._by_length, 2, skip, keyed, now, per_token)
