@@ -815,23 +815,30 @@ def test_fitting_recovers_the_tensor_core_term_without_a_gemm_table(tmp_path):
     assert ("co_tc_co_sm", "one") in terms and ("co_gemm_co_sm", "one") not in terms
 
 
-def test_fitting_recovers_the_power_terms(tmp_path, real):
-    """A synthetic profile whose co-run prefills slow by known weights of the version-5 power terms (with a GEMM
-    table, so that co_gemm_co_sm is not 0) beside the older ones: the fit (weighted to relative error) recovers
-    them, and the model's JSON round-trips to identical co-run predictions, scalar and array."""
+def fit_with_gemm_table(tmp_path, gemm_term: str, version: int):
+    """A synthetic profile with a GEMM table whose co-run prefills slow by known weights of ``gemm_term`` and three
+    other co-run terms, fitted on those terms: the fit recovers the weights. Returns (profile, model)."""
     truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
-                                  (("own_flops_co_sm", "one"), 0.9), (("co_gemm_co_sm", "one"), 0.25)]}
+                                  (("own_flops_co_sm", "one"), 0.9), ((gemm_term, "one"), 0.25)]}
     table = {"sms": [8, 24, 40, 56, 72, 88, 104, 132], "rows": [2, 8, 32, 64, 128, 256],
              "layer_s": [[(1 + 0.01 * r) * 1e-4 * 8 / min(s, 60) for s in [8, 24, 40, 56, 72, 88, 104, 132]]
                          for r in [2, 8, 32, 64, 128, 256]]}
     fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
-    fm = FittedModel({**truth_model().data, "version": 5, "families": fams, "gemm_table": table})
+    fm = FittedModel({**truth_model().data, "version": version, "families": fams, "gemm_table": table})
     folder = synthetic_profile(tmp_path / "synthetic", fm)
     write_gemm_csv(folder / "gemm.csv", table)
     prof = load_profile(folder)
     model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
     assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
                                                                   abs=1e-9)
+    return prof, model
+
+
+def test_fitting_recovers_the_power_terms(tmp_path, real):
+    """A synthetic profile whose co-run prefills slow by known weights of the version-5 power terms (with a GEMM
+    table, so that co_gemm_co_sm is not 0) beside the older ones: the fit (weighted to relative error) recovers
+    them, and the model's JSON round-trips to identical co-run predictions, scalar and array."""
+    prof, model = fit_with_gemm_table(tmp_path, "co_gemm_co_sm", 5)
     # the default terms carry them (with a table: its GEMM share, not the tensor-core indicator)
     terms = fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
     assert ["own_flops_co_sm", "one"] in terms and ["co_tc_co_sm", "one"] not in terms
@@ -961,19 +968,7 @@ def test_fitting_recovers_the_gemm_half_term(tmp_path):
     """A synthetic profile with a GEMM table whose co-run prefills slow by known weights, ``co_gemm_half`` among them:
     the fit recovers them, and the default terms with a table take ``co_gemm_half`` and no term linear in the
     co-runner's SMs (``co_sm_share``, ``co_gemm_co_sm``)."""
-    truth = {**TRUE, "co_eager": [(("co_bw", "one"), 0.02), (("own_bw_co_bw", "one"), 0.03),
-                                  (("own_flops_co_sm", "one"), 0.9), (("co_gemm_half", "one"), 0.25)]}
-    table = {"sms": [8, 24, 40, 56, 72, 88, 104, 132], "rows": [2, 8, 32, 64, 128, 256],
-             "layer_s": [[(1 + 0.01 * r) * 1e-4 * 8 / min(s, 60) for s in [8, 24, 40, 56, 72, 88, 104, 132]]
-                         for r in [2, 8, 32, 64, 128, 256]]}
-    fams = {fam: {"terms": [list(t) for t, _ in v], "coef": [c for _, c in v]} for fam, v in truth.items()}
-    fm = FittedModel({**truth_model().data, "version": 8, "families": fams, "gemm_table": table})
-    folder = synthetic_profile(tmp_path / "synthetic", fm)
-    write_gemm_csv(folder / "gemm.csv", table)
-    prof = load_profile(folder)
-    model = fit_model(prof, prof.rows, {fam: [t for t, _ in v] for fam, v in truth.items()})
-    assert model["families"]["co_eager"]["coef"] == pytest.approx([c for _, c in truth["co_eager"]], rel=1e-4,
-                                                                  abs=1e-9)
+    prof, _ = fit_with_gemm_table(tmp_path, "co_gemm_half", 8)
     terms = fit_model(prof, prof.rows)["families"]["co_eager"]["terms"]
     assert ["co_gemm_half", "one"] in terms
     assert ["co_sm_share", "one"] not in terms and ["co_gemm_co_sm", "one"] not in terms
