@@ -116,6 +116,14 @@ def main() -> None:
         ap.error(f"--starts: comma-separated row counts (>= 0), got {args.starts!r}")
     if args.repeat < 1:
         ap.error(f"--repeat: at least 1, got {args.repeat}")
+    for run in args.runs:
+        trace, _, rates = run.partition(":")
+        try:
+            ok = bool(trace) and all(float(x) > 0 for x in rates.split(","))
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--runs: TRACE:RATE,RATE,... with rates > 0 (e.g. sharegpt:10,14), got {run!r}")
 
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     latency = latency_model(args.latency, spec, gpu)
