@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy_real import policy_cfg, slo_for
+from policy_real import check_runs, policy_cfg, slo_for
 
 from bullet.config import resolve_gpu, resolve_model
 from bullet.engine import serve
@@ -160,14 +160,7 @@ def main() -> None:
                          "the executor's freeze_heap)")
     ap.add_argument("--keep-steps", action="store_true", help="keep every launch's result across runs")
     args = ap.parse_args()
-    for spec_run in args.runs:  # checked before the executor starts (a minute on the GPU)
-        trace, _, rates = spec_run.partition(":")
-        try:
-            ok = bool(trace) and all(float(x) > 0 for x in rates.split(","))
-        except ValueError:
-            ok = False
-        if not ok:
-            ap.error(f"--runs: TRACE:RATE,RATE,... with positive rates, got {spec_run!r}")
+    check_runs(ap, args.runs)
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
 

@@ -63,6 +63,19 @@ def slo_for(trace: str, which: str) -> SloConfig:
     return SloConfig(ttft=0.5, tpot=0.05)
 
 
+def check_runs(ap: argparse.ArgumentParser, runs: list[str]) -> None:
+    """Each ``--runs`` word is TRACE:RATE,RATE,... with positive rates, else one argparse error (before the
+    executor starts: a minute on the GPU)."""
+    for run in runs:
+        trace, _, rates = run.partition(":")
+        try:
+            ok = bool(trace) and all(float(x) > 0 for x in rates.split(","))
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--runs: TRACE:RATE,RATE,... with rates > 0 (e.g. sharegpt:10,14), got {run!r}")
+
+
 def sim_only(args, spec, gpu, latency, sizes) -> None:
     """The simulated half of every row: what ``main`` runs beside each real run, with ``args.num_blocks`` KV blocks."""
     print("| trace | rate | policy | attainment | goodput | makespan s | TTFT p50 ms | TTFT p90 | TPOT p50 | TPOT p90 "
@@ -116,14 +129,7 @@ def main() -> None:
         ap.error(f"--starts: comma-separated row counts (>= 0), got {args.starts!r}")
     if args.repeat < 1:
         ap.error(f"--repeat: at least 1, got {args.repeat}")
-    for run in args.runs:
-        trace, _, rates = run.partition(":")
-        try:
-            ok = bool(trace) and all(float(x) > 0 for x in rates.split(","))
-        except ValueError:
-            ok = False
-        if not ok:
-            ap.error(f"--runs: TRACE:RATE,RATE,... with rates > 0 (e.g. sharegpt:10,14), got {run!r}")
+    check_runs(ap, args.runs)
 
     spec, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     latency = latency_model(args.latency, spec, gpu)
