@@ -349,8 +349,8 @@ class Bullet(LayerSliced):
             self._shed.add(req.id)
             self.num_shed += 1
         i, known = req.id, req.known
-        # (and below, with _order's max-heap item: longest, then latest due; the late key as _late_key sums it)
-        first = (deadline, i, known, req, (deadline + LATE_GRACE * target, i, req))
+        # (and below, with _order's max-heap item: longest, then latest due; the late key made once)
+        first = (deadline, i, known, req, (self._late_key(i), i, req))
         keys = self._queued[i] = ((deadline, i, known, req, (-known, -deadline, -i, first)), (known, i, deadline, req))
         insort(self._by_deadline, keys[0])
         insort(self._by_length, keys[1])
