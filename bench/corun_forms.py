@@ -16,6 +16,7 @@ import argparse
 
 import numpy as np
 
+from bullet.config import ConfigError
 from bullet.perfmodel import FittedModel
 from bullet.perfmodel.base import partly_co_run
 from bullet.perfmodel.fit import _nnls, co_work_of_row, fit_model, folds, load_profile, work_of_row
@@ -58,7 +59,12 @@ def main() -> None:
     ap.add_argument("profile", nargs="?", default="profiles/h200/llama-3.1-8b")
     ap.add_argument("--seeds", type=int, default=10)
     a = ap.parse_args()
-    prof = load_profile(a.profile)
+    if a.seeds < 1:
+        ap.error(f"--seeds: at least 1, got {a.seeds}")
+    try:
+        prof = load_profile(a.profile)
+    except ConfigError as e:
+        ap.error(str(e))
     rows = prof.rows
     cp = [i for i, r in enumerate(rows) if r["co_kind"] and r["kind"] != "decode"]
     fl = [(f"seed {s}", "random", folds(prof, s)[0][2]) for s in range(a.seeds)]

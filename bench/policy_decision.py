@@ -143,6 +143,9 @@ def main() -> None:
     ap.add_argument("--states", type=int, default=30, help="seeded states per whole-decision row")
     ap.add_argument("--rows", choices=("all", "pieces", "decisions"), default="all")
     args = ap.parse_args()
+    for name in ("running", "waiting", "states"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: at least 1, got {getattr(args, name)}")
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
     latency = latency_model(args.latency, model, gpu)
     twin_latency = latency_model(args.latency, model, gpu)  # (the whole decisions' twins': see decision_states)
