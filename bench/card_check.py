@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=30, help="stand-alone points to re-measure (spread over kinds)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coruns", type=int, default=0, help="co-run points to re-measure too (each ~3 s: 2 s of "
+                                                          "sustained co-running first)")
     args = ap.parse_args()
 
     import json
@@ -44,7 +46,8 @@ def main() -> None:
 
     folder = Path(args.profile)
     meta = json.loads((folder / "metadata.json").read_text())
-    rows = {r["id"]: r for r in read_points(folder / "points.csv") if not r["co_kind"]}
+    every = {r["id"]: r for r in read_points(folder / "points.csv")}
+    rows = {k: r for k, r in every.items() if not r["co_kind"]}
     spec = resolve_model(meta["model"])
     ex = GpuExecutor(spec, "dummy", "cuda", num_blocks=40000)
     menu = ex.menu
@@ -60,14 +63,21 @@ def main() -> None:
         chosen += [ps[i] for i in sorted(rng.choice(len(ps), k, replace=False))]
     ident = smi("name,uuid,serial,vbios_version")
     print(f"card: {' | '.join(ident)}; profile measured {meta.get('date')} ({meta.get('commit')})")
+    if args.coruns:  # co-run points of the profile, seeded, both lanes
+        co = [p for p in grid(spec, (tuple(menu.prefill), tuple(menu.decode)), meta.get("grid") == "quick",
+                              kv_tokens=ex.kv.num_blocks * ex.kv.block_size, **meta.get("grid_options", {}))
+              if p.co is not None and p.id in every]
+        chosen += [co[i] for i in sorted(rng.choice(len(co), min(args.coruns, len(co)), replace=False))]
+        rows = every
     prof = Profiler(ex, args.reps, prefill_graphs=bool(meta.get("prefill_graphs")))
+    prof.solo.update({k: float(r["gpu_s"]) for k, r in every.items() if not r["co_kind"]})  # co-runs' stretches
     ratios = defaultdict(list)
     clocks = []
     for p in chosen:
         row = prof.measure(p)
         clocks.append(smi("clocks.sm,power.draw,temperature.gpu"))
         r = float(row["gpu_s"]) / float(rows[p.id]["gpu_s"])
-        ratios[(p.shape.kind, p.lane)].append(r)
+        ratios[(p.shape.kind + (" co-run" if p.co is not None else ""), p.lane)].append(r)
         print(f"  {p.id:60s} {1e3 * float(rows[p.id]['gpu_s']):9.3f} ms -> {1e3 * float(row['gpu_s']):9.3f} ms  x{r:.3f}")
     print("\n| kind | lane | points | measured / profiled: median | min | max |")
     print("|---|---|---:|---:|---:|---:|")

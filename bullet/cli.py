@@ -554,6 +554,10 @@ def profile(
     corun_min: Annotated[int, typer.Option(min=0, help="Add seeded co-run pairs on each decode size the "
                                                        "co-runs use until it has this many (0: none added).")]
     = 0,
+    corun_sweep: Annotated[bool, typer.Option(
+        help="Add the co-runner sweeps: at four splits (prefill 36/44/68/92 SMs on the H200, decode the rest), "
+             "one 2,048-token prompt beside 1-128 decode rows and 8 rows beside prompts of 256-8,192 tokens "
+             "(104 co-run points for Llama-3.1-8B on an H200).")] = False,
     corun_passes: Annotated[int | None, typer.Option(
         min=1, help="Measure every co-run point in this many passes over all of them (after the solo points), "
                     "keeping each pass in corun_passes.csv and the median of a point's passes in points.csv; a "
@@ -608,7 +612,8 @@ def profile(
                 bar.update(task, completed=done, total=total, description=pid[:60])
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
-                                            redo_coruns, sizes, twins, corun_min, corun_passes)  # type: ignore[arg-type]
+                                            redo_coruns, sizes, twins, corun_min, corun_passes,  # type: ignore[arg-type]
+                                            corun_sweep)
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:

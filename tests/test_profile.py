@@ -24,6 +24,7 @@ from bullet.gpu.profile import (
     read_passes,
     read_points,
     sampled_mixed,
+    swept_coruns,
     twin,
 )
 
@@ -116,7 +117,9 @@ def test_profile_without_cuda_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("quick, opts", [(True, {}), (False, {}),
-                                         (True, {"sizes": "all", "twins": True, "corun_min": 4})])
+                                         (True, {"sizes": "all", "twins": True, "corun_min": 4}),
+                                         (True, {"sizes": "all", "twins": True, "corun_min": 3,
+                                                 "corun_sweep": True})])
 def test_every_gpu_grid_point_is_a_legal_launch(quick, opts):
     """The H200 grids (quick and full, random launches and co-runs included): each point's partition is on the
     nested menu (prefill sizes on the prefill lane, decode sizes on the decode lane, the whole GPU on 'all'),
@@ -229,6 +232,33 @@ def test_the_quick_grid_with_every_size_twins_and_more_co_runs():
     assert len(co) == 74 + 2 * sum(max(0, 4 - n) for n in Counter(
         p.co_sms for p in grid(spec, menu, True, kv_tokens=KV_H200) if p.co is not None and p.lane == "prefill"
     ).values())
+
+
+def test_the_corun_sweep_adds_its_pairs_to_the_shipped_grid():
+    """--corun-sweep on the H200: the shipped profile's points keep their ids; 4 splits (prefill 36, 44, 68, 92 SMs
+    beside decode 96, 88, 64, 40) x (8 row counts beside a 2,048-token prompt + 5 prompts beside 8 rows) = 52
+    pairs, each from both sides, 104 co-run points, every decode row at a 2,048-token context; with --twins each
+    shape also alone on its partition, before the co-runs."""
+    gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
+    menu = (gpu.prefill_sizes, gpu.decode_sizes)
+    opts = json.loads((SHIPPED / "metadata.json").read_text()).get("grid_options", {})
+    base = grid(spec, menu, True, kv_tokens=KV_H200, **opts)
+    pts = grid(spec, menu, True, kv_tokens=KV_H200, **{**opts, "corun_sweep": True})
+    ids = [p.id for p in pts]
+    assert {p.id for p in base} <= set(ids)
+    sweep = swept_coruns(gpu.prefill_sizes[:-1], gpu.decode_sizes[:-1], gpu.num_sms)
+    assert len(sweep) == 104 and {p.id for p in sweep} <= set(ids)
+    pre = [p for p in sweep if p.lane == "prefill"]
+    assert Counter((p.sms, p.co_sms) for p in pre) == {(36, 96): 13, (44, 88): 13, (68, 64): 13, (92, 40): 13}
+    assert Counter((p.shape.prefill[0][0], len(p.co.decode)) for p in pre) == Counter(
+        {**{(2048, r): 4 for r in (1, 2, 4, 8, 16, 32, 64, 128)},
+         **{(n, 8): 4 for n in (256, 512, 1024, 4096, 8192)}})
+    assert all(set(p.co.decode) == {2048} and p.co.steps == 8 and p.shape.layers is None for p in pre)
+    dec = [p for p in sweep if p.lane == "decode"]
+    assert sorted((p.co.key(), p.co_sms, p.shape.key(), p.sms) for p in dec) == \
+        sorted((p.shape.key(), p.sms, p.co.key(), p.co_sms) for p in pre)
+    first_co = min(ids.index(p.id) for p in pts if p.co is not None)
+    assert all(ids.index(twin(p).id) < first_co for p in sweep)
 
 
 def test_co_runs_in_passes_are_the_median_of_their_passes_and_resume(tmp_path):

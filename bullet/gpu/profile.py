@@ -113,14 +113,14 @@ def _runs(ctx: tuple[int, ...]) -> str:
 
 def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick: bool, cpu: bool = False,
          kv_tokens: int | None = None, sizes: Sizes | None = None, twins: bool = False,
-         corun_min: int = 0) -> list[Point]:
+         corun_min: int = 0, corun_sweep: bool = False) -> list[Point]:
     """Points to measure on a menu of ``menu_sizes`` (prefill sizes, decode sizes; each ending with the whole GPU).
     The full grid covers every partition size of the menu on both lanes; ``quick`` every other one. ``sizes``
     overrides which sizes the solo lines cover (``"all"``: every menu size, with the quick grid's lengths);
     everything else (co-run splits, random launches) stays the grid's own, so a grid with more sizes holds the
     other's points, ids unchanged. ``twins``: each co-run shape also measured alone on its own partition.
     ``corun_min``: seeded co-run pairs added on each decode size the co-runs use until it has that many
-    (:func:`fill_coruns`). Solo points come first (co-runs size their decode stretch from them). Decode
+    (:func:`fill_coruns`). ``corun_sweep``: the co-runner sweeps of :func:`swept_coruns`. Solo points come first (co-runs size their decode stretch from them). Decode
     batches whose KV would not fit ``kv_tokens`` are left out."""
     num_sms = menu_sizes[0][-1]
     if cpu:  # the tiny model on the host: the code paths, not the numbers
@@ -208,9 +208,39 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 pts += [Point(pre, "prefill", p, dec, num_sms - p), Point(dec, "decode", num_sms - p, pre, p)]
     if corun_min and not cpu:
         pts += fill_coruns(spec, pts, menu_sizes[0][:-1], num_sms, corun_min, kv_tokens)
+    if corun_sweep and not cpu:
+        pts += swept_coruns(menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms)
     co = [pt for pt in pts if pt.co is not None]
     solo = [pt for pt in pts if pt.co is None] + ([twin(pt) for pt in co] if twins else [])
     return list({pt.id: pt for pt in solo + co}.values())  # once each (the full grid meets some shapes twice)
+
+
+# The co-runner sweeps (issue 9: co-run prefill held out at 3.2 % against a 3 % gate). The random co-runs give each
+# split 3-9 points from different co-runners, so the scatter of short prompts beside 2-8 decode rows could not be
+# told from structure (bench/RESULTS.md, "Co-run prefill and the eager ramps"): at a few splits, one prompt beside
+# decode batches of 1-128 rows, and one decode batch beside prompts of 256-8,192 tokens.
+SWEEP_SPLITS = (36, 44, 68, 92)  # prefill SMs; decode takes the rest (96, 88, 64, 40 on the H200)
+SWEEP_ROWS, SWEEP_PROMPT = (1, 2, 4, 8, 16, 32, 64, 128), 2048  # decode rows beside one 2,048-token prompt
+SWEEP_PROMPTS, SWEEP_BESIDE = (256, 512, 1024, 4096, 8192), 8  # prompts beside 8 decode rows
+SWEEP_CTX = 2048  # every decode row's context
+
+
+def swept_coruns(pre_sizes: Sequence[int], dec_sizes: Sequence[int], num_sms: int) -> list[Point]:
+    """Each split of :data:`SWEEP_SPLITS` (the menu's prefill size nearest to it, decode on the rest where the
+    menu has that size): one fresh prompt of :data:`SWEEP_PROMPT` tokens beside each of :data:`SWEEP_ROWS`
+    decode rows, and one of :data:`SWEEP_BESIDE` rows beside each prompt of :data:`SWEEP_PROMPTS`; contexts
+    :data:`SWEEP_CTX`, all layers, 8 fused steps; each pair measured from both sides."""
+    pts: list[Point] = []
+    for target in SWEEP_SPLITS:
+        p = min(pre_sizes, key=lambda s, t=target: abs(s - t))
+        d = num_sms - p
+        if d not in dec_sizes:
+            continue
+        shapes = [(SWEEP_PROMPT, rows) for rows in SWEEP_ROWS] + [(n, SWEEP_BESIDE) for n in SWEEP_PROMPTS]
+        for n, rows in shapes:
+            pre, dec = Shape(((n, 0),)), Shape(decode=(SWEEP_CTX,) * rows, steps=8)
+            pts += [Point(pre, "prefill", p, dec, d), Point(dec, "decode", d, pre, p)]
+    return pts
 
 
 def twin(pt: Point) -> Point:
@@ -791,14 +821,15 @@ def _commit() -> str | None:
 def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
                 prefill_graphs: bool = True, redo_coruns: bool = False, sizes: Sizes | None = None,
-                twins: bool = False, corun_min: int = 0, corun_passes: int | None = None) -> tuple[int, int]:
+                twins: bool = False, corun_min: int = 0, corun_passes: int | None = None,
+                corun_sweep: bool = False) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measurements, points
     skipped). ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches
     that a prefill graph can serve replay one (captured before their first run), as in serving; the limits go
     into the metadata (``prefill_graphs``), where the fit reads which points ran without the eager host time.
     ``redo_coruns``: measure every co-run point again (their rows are replaced), e.g. after a change of
     :data:`CORUN_PROTOCOL`; a profile whose co-run points were measured otherwise is not resumed without it.
-    ``sizes``, ``twins``, ``corun_min``: the grid's options (:func:`grid`); a resumed profile keeps those it was
+    ``sizes``, ``twins``, ``corun_min``, ``corun_sweep``: the grid's options (:func:`grid`); a resumed profile keeps those it was
     measured with (metadata.json's ``grid_options``) and adds these.
 
     ``corun_passes`` K > 1: the solo points first, then K passes over all co-run points (a point's passes spread
@@ -815,7 +846,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     passes_path = out / PASSES_FILE
     if redo_coruns and passes_path.exists():
         passes_path.unlink()
-    opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min)
+    opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min, corun_sweep)
     passes = corun_passes or int(old_meta.get("corun_passes", 1))
     pts = grid(spec, (tuple(menu.prefill), tuple(menu.decode)), quick, cpu,
                executor.kv.num_blocks * executor.kv.block_size, **opts)
@@ -917,13 +948,17 @@ def _put_medians(points: Path, passes: dict[str, list[dict]]) -> None:
     _write_rows(points, rows + list(medians.values()))
 
 
-def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int) -> dict:
+def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int, corun_sweep: bool = False) -> dict:
     """This run's grid options joined with those a resumed profile was measured with (points are never
-    dropped: the grid only grows)."""
+    dropped: the grid only grows). ``corun_sweep`` is recorded only once it is on (older profiles' options
+    stay as they were written)."""
     if old.get("sizes") == "all":
         sizes = "all"
-    return {"sizes": sizes or old.get("sizes"), "twins": twins or bool(old.get("twins")),
+    opts = {"sizes": sizes or old.get("sizes"), "twins": twins or bool(old.get("twins")),
             "corun_min": max(corun_min, int(old.get("corun_min", 0)))}
+    if corun_sweep or old.get("corun_sweep"):
+        opts["corun_sweep"] = True
+    return opts
 
 
 def _skinny_meta(path: str | None) -> dict | None:
