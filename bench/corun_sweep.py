@@ -84,14 +84,14 @@ def main() -> None:
                                         on_point, bool(meta.get("prefill_graphs")), False, opts.get("sizes"),
                                         bool(opts.get("twins")), int(opts.get("corun_min", 0)), args.passes,
                                         corun_sweep=True)
-    finally:
+    finally:  # the logs first: a run stopped mid-launch may not close the executor cleanly
         stop.set()
         thread.join()
-        ex.close()
         with (args.log / "nvml.csv").open("a", newline="") as f:
             csv.writer(f).writerows(samples)
         with (args.log / "points.csv").open("a", newline="") as f:
             csv.writer(f).writerows(times)
+        ex.close()
     print(f"measured {measured}, skipped {skipped}")
     by: dict[str, list] = defaultdict(list)
     for pid, _, a, b in times:
