@@ -453,6 +453,17 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
     # contention: measured over the stand-alone prediction of the model fitted so far
     model = _assemble(prof, terms, kernels, coef, counts)
     fm = FittedModel(model, host=False)
+    _fit_contention(fm, q, terms, rows, coef, counts)
+    model = _assemble(prof, terms, kernels, coef, counts)
+    # what the smooth slowdown leaves on each prefill size (split_factors), on top of it: the smooth terms stay
+    # the best fit to all sizes (an unmeasured size has them alone), the factors only the sizes' departures
+    if factors := split_factors(FittedModel(model, host=False), rows):
+        model["co_split_factor"] = factors
+    return model
+
+
+def _fit_contention(fm: FittedModel, q: Quantities, terms: dict, rows: list[dict], coef: dict, counts: dict) -> None:
+    """The co-run families' slowdowns, measured over ``fm``'s stand-alone predictions."""
     for family, kind in (("co_eager", "prefill"), ("co_decode", "decode")):
         items, y = [], []
         for r in rows:
@@ -482,7 +493,37 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
         wts = 1.0 / (1.0 + np.asarray(y)) ** 2 if family == "co_eager" else None
         coef[family] = _nnls(X, np.asarray(y), relative=False, weights=wts) if y else np.zeros(len(terms[family]))
         counts[family] = len(y)
-    return _assemble(prof, terms, kernels, coef, counts)
+
+
+def split_factors(fm: FittedModel, rows: list[dict]) -> dict[str, float]:
+    """Per prefill partition size, the factor on a co-run prefill's time that its points ask for over the smooth
+    slowdown terms of ``fm``: the mean of their log(measured / predicted), shrunk towards 0 by empirical Bayes
+    (the share ``n tau^2 / (n tau^2 + sigma^2)``, with ``sigma^2`` the scatter within a size and ``tau^2`` the spread
+    between sizes beyond what that scatter explains), so a size of few points moves little and sizes that differ no
+    more than their points scatter not at all. Sizes with no co-run prefill point get none (1 in the model).
+    The co-run slowdown is no smooth function of the split on the H200 (44 / 88 SMs 10-15 points under 36 / 96 and
+    68 / 64 at every shape: bench/RESULTS.md, twenty-eighth session), and with nested partitions a prefill size has
+    the same SMs whatever the decode lane takes, so the size is the key."""
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if r["co_kind"] and r["kind"] != "decode" and r["overlap"] > 0.0:
+            pred, meas = predictions(fm, r)["co-run prefill"]
+            by.setdefault(r["sms"], []).append(float(np.log(meas / pred)))
+    return {str(k): float(np.exp(v)) for k, v in sorted(shrunk_means(by).items())} if len(by) >= 2 else {}
+
+
+def shrunk_means(groups: dict[int, list[float]]) -> dict[int, float]:
+    """Each group's mean shrunk towards 0 by empirical Bayes: times ``n tau^2 / (n tau^2 + sigma^2)``, ``sigma^2``
+    the pooled variance within groups, ``tau^2 = mean(m^2 - sigma^2 / n)`` (at least 0) the variance of the groups'
+    true means about 0 (method of moments: a group mean's square is that plus its sampling variance)."""
+    n = np.array([len(v) for v in groups.values()], dtype=np.float64)
+    m = np.array([np.mean(v) for v in groups.values()])
+    within = sum(float(((np.asarray(v) - np.mean(v)) ** 2).sum()) for v in groups.values())
+    dof = n.sum() - len(n)
+    sigma2 = within / dof if dof > 0 else 0.0
+    tau2 = max(0.0, float(np.mean(m ** 2 - sigma2 / n)))
+    share = n * tau2 / (n * tau2 + sigma2) if sigma2 > 0.0 else np.ones_like(n)
+    return {k: float(s * mk) for k, s, mk in zip(groups, share, m)}
 
 
 def _assemble(prof: Profile, terms: dict, kernels: dict, coef: dict, counts: dict) -> dict:

@@ -86,13 +86,13 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 8  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 9  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
 # slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
 # slowdown beside a tensor-core co-runner (``co_tc_co_sm``); 8: the FLOPs of the GEMMs with few output tiles
-# (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); older files read
-# unchanged
-READS = (1, 2, 3, 4, 5, 6, 7, 8)
+# (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); 9: a co-run
+# prefill's factor per prefill partition size (``co_split_factor``); older files read unchanged
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -565,8 +565,8 @@ class FittedModel:
     # slots: its 30 attributes are read on every prediction (a dict-backed instance's read is a keyed lookup)
     __slots__ = ("_co_last", "_co_terms", "_dsetup", "_eager", "_eager_terms", "_gemm_fams", "_gemm_s", "_host",
                  "_host_terms", "_own", "_own_fl", "_own_last", "_parts", "_raw", "_setup_by_sms", "_share", "_slow",
-                 "_sm_bw_table", "_sm_only", "data", "f", "gpu_name", "graphs", "host", "host_gap", "kernels",
-                 "num_sms", "profile_gap", "q", "scale", "serving_gap", "source", "spec")
+                 "_sm_bw_table", "_sm_only", "_split", "_split_arr", "data", "f", "gpu_name", "graphs", "host",
+                 "host_gap", "kernels", "num_sms", "profile_gap", "q", "scale", "serving_gap", "source", "spec")
 
     def __init__(self, data: dict, host: bool = EAGER_HOSTED, source: str = "<dict>") -> None:
         self.data, self.source, self.host = data, source, host
@@ -591,6 +591,14 @@ class FittedModel:
             self.serving_gap = host_gap_of(data.get("serving_gap"), "serving_gap")
             self.host_gap = self.serving_gap or self.profile_gap
             self.scale = scale_of(data.get("scale"))
+            # a co-run prefill's time on each prefill size measured, over what the smooth slowdown terms give
+            # (version 9: the slowdown zigzags with the split, bench/RESULTS.md, twenty-eighth session); 1 elsewhere
+            self._split = {int(k): float(v) for k, v in data.get("co_split_factor", {}).items()}
+            if any(not (0 < k <= N and 0.0 < v < 10.0) for k, v in self._split.items()):
+                raise ValueError(f"co_split_factor: {data['co_split_factor']} has a size or factor out of range")
+            self._split_arr = np.ones(N + 1)
+            for k, v in self._split.items():
+                self._split_arr[k] = v
             for names, k in (("eager",), self.scale[0]), (("decode_first", "decode_step"), self.scale[1]):
                 for name in names:  # a card's speed: the GPU-time families times its factor (host time as is)
                     if k != 1.0:
@@ -1014,7 +1022,10 @@ class FittedModel:
             own_fl = self.own_flops(work, alone) if self._own_fl else 0.0
             if not arr:
                 self._own_last = (work, alone, own, own_fl)
-        return alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own, own_fl))
+        t = alone * (1.0 + self._slowdown("co_eager", n, co, co_sms, arr, own, own_fl))
+        if self._split:
+            return t * (self._split_arr[n] if arr else self._split.get(n, 1.0))
+        return t
 
     def own_bw(self, work: Work, alone):
         """``work``'s stand-alone HBM demand, TB/s, given its stand-alone time(s) ``alone``."""
