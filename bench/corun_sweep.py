@@ -48,6 +48,10 @@ def main() -> None:
     ap.add_argument("--log", type=Path, default=Path("corun_sweep"))
     ap.add_argument("--device", default="cuda", help="'cuda', or 'cpu' (the tiny model's profile: the code path)")
     args = ap.parse_args()
+    if not (args.profile / "metadata.json").exists():
+        ap.error(f"{args.profile}: no metadata.json (a profile folder from `bullet profile`)")
+    if args.passes is not None and args.passes < 1:
+        ap.error("--passes must be >= 1")
 
     import json
 

@@ -33,6 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.every < 1 or args.reps < 2:
         ap.error("--every must be >= 1 and --reps >= 2")
+    if not (args.profile / "points.csv").exists():
+        ap.error(f"{args.profile}: no points.csv (a profile folder from `bullet profile`)")
 
     from bullet.config import resolve_model
     from bullet.gpu.executor import GpuExecutor
