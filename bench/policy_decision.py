@@ -14,7 +14,12 @@ state through ``on_result``, as the engine hands it over before the decision. Ea
 The pieces above run hot (one state, its data in the nearest caches): a whole decision costs more than its pieces.
 
     python3 bench/policy_decision.py [--latency roofline|fitted|PATH] [--running 256] [--waiting 64]
-                                     [--states 30] [--rows all|pieces|decisions]
+                                     [--states 30] [--rows all|pieces|decisions] [--callgrind]
+
+``--callgrind`` counts instructions instead (needs valgrind; deterministic, so it holds on a shared machine): each
+whole decision, and the queue order alone in the new job's state, under callgrind with collection toggled around
+the ``schedule()`` (``_order``) call alone, on states 1..``--states``; the mean over the states from
+``--callgrind-from`` (6: the first decisions fill the latency model's memos).
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import operator
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import timeit
 from pathlib import Path
@@ -135,6 +144,44 @@ def time_decisions(running: int, waiting: int, latency, twin_latency, kind: str,
     return best
 
 
+# callgrind counts only inside this C function (``--toggle-collect``), which nothing in a decision calls: the timed
+# call goes through it and nothing else does
+TOGGLE = "_operator_call"
+KINDS = ("new-job", "slice", "blocked", "decode-beside", "decode-whole", "order")
+
+
+def collect(running: int, waiting: int, latency, twin_latency, kind: str, states: int, first: int) -> None:
+    """Under callgrind (:func:`instructions`): one decision of ``kind`` on each of states 1..``states``, called
+    through ``operator.call`` (collected) from state ``first`` on. ``order``: ``_order`` alone in the new job's
+    state (a decode launch came back: the seat releases gathered afresh)."""
+    for seed in range(1, states + 1):
+        sched, now, lane, twin = decision_states(running, waiting, latency,
+                                                 "new-job" if kind == "order" else kind, seed, twin_latency)
+        fn, args = (sched._order, (now,)) if kind == "order" else (sched.schedule, (lane, now, None))
+        gc.disable()
+        if seed >= first:
+            operator.call(fn, *args)
+        else:
+            fn(*args)
+        gc.enable()
+        del sched, twin
+
+
+def instructions(argv: list[str], kind: str, states: int, first: int) -> float:
+    """Mean instructions of one decision of ``kind`` over states ``first``..``states`` (this script re-run under
+    callgrind with ``--collect``; ``PYTHONHASHSEED=0`` and no address randomisation: the same count every run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        subprocess.run(["setarch", "-R", "valgrind", "--tool=callgrind", f"--toggle-collect={TOGGLE}",
+                        f"--callgrind-out-file={out}", sys.executable, __file__, *argv, "--collect", kind],
+                       env=env, check=True, capture_output=True)
+        for line in out.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1]) / (states - first + 1)
+    raise RuntimeError("callgrind wrote no totals")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--latency", default="roofline")
@@ -142,13 +189,33 @@ def main() -> None:
     ap.add_argument("--waiting", type=int, default=64)
     ap.add_argument("--states", type=int, default=30, help="seeded states per whole-decision row")
     ap.add_argument("--rows", choices=("all", "pieces", "decisions"), default="all")
+    ap.add_argument("--callgrind", action="store_true", help="instructions per whole decision (needs valgrind)")
+    ap.add_argument("--callgrind-from", type=int, default=6, help="the first state counted (earlier ones: warm-up)")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="--callgrind: the decisions")
+    ap.add_argument("--collect", choices=KINDS, help=argparse.SUPPRESS)  # (the run under callgrind)
     args = ap.parse_args()
-    for name in ("running", "waiting", "states"):
+    for name in ("running", "waiting", "states", "callgrind_from"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name}: at least 1, got {getattr(args, name)}")
+            ap.error(f"--{name.replace('_', '-')}: at least 1, got {getattr(args, name)}")
+    if args.callgrind_from > args.states:
+        ap.error(f"--callgrind-from {args.callgrind_from} is past --states {args.states}")
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
     latency = latency_model(args.latency, model, gpu)
     twin_latency = latency_model(args.latency, model, gpu)  # (the whole decisions' twins': see decision_states)
+    R, W = args.running, args.waiting
+    if args.collect:
+        collect(R, W, latency, twin_latency, args.collect, args.states, args.callgrind_from)
+        return
+    if args.callgrind:
+        argv = ["--latency", args.latency, "--running", str(R), "--waiting", str(W), "--states", str(args.states),
+                "--callgrind-from", str(args.callgrind_from)]
+        print(f"bullet decision instructions: {R} running, {W} waiting, latency {args.latency}, mean of states "
+              f"{args.callgrind_from}-{args.states}\n")
+        print("| decision | instructions |")
+        print("|---|---:|")
+        for kind in args.kinds:
+            print(f"| {kind} | {instructions(argv, kind, args.states, args.callgrind_from):,.0f} |", flush=True)
+        return
     sched, now, work = state(args.running, args.waiting, latency)
     view = sched._view(sched._decoding(), now)
     arrays = sched._arrays  # (None below ARRAYS_FROM running requests: the view is a Python pass)
@@ -197,7 +264,6 @@ def main() -> None:
         n, _ = timeit.Timer(fn).autorange()
         best = min(timeit.repeat(fn, number=n, repeat=5)) / n
         print(f"| {name} | {best * 1e6:.1f} |")
-    R, W = args.running, args.waiting
     decisions = {
         f"whole decision, prefill lane: a new job after a decode launch came back ({R - 1} decoding, one seat "
         f"free, {W + 1} queued: schedule() orders the queue, admits the head, sizes its first slice)": "new-job",

@@ -774,6 +774,57 @@ def test_order_equals_a_plain_moore_hodgson(seed):
         now += float(rng.uniform(0.01, 0.3))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_orders_a_little_apart_equal_a_plain_moore_hodgson(seed):
+    """Long runs of orders a little apart, as a simulation makes them (one or two arrivals, an admission or an
+    abort, a decode step of every running request, a completion, the prefill speed changing now and then, a
+    deferral or a lull now and then; now and then a long prompt that came early, longer than the requests dropped
+    after it): after every _order the queue and the late set equal :func:`reference_order`'s from scratch. (What
+    an order that starts from the last one's answer must keep: bench/RESULTS.md, the order's helper section.)"""
+    rng = np.random.default_rng(100 + seed)
+    seats = int(rng.integers(8, 48))
+    sched, _ = make(SloConfig(ttft=None, ttft_per_token=float(rng.choice([0.0005, 0.001, 0.002])), tpot=0.05),
+                    max_num_seqs=seats)
+    for i in range(int(rng.integers(seats // 2, seats + 1))):
+        sched.running.append(decoding(10_000 + i, int(rng.integers(1, 50)), 0.0, 200, 150))
+    speed = [float(rng.uniform(1e-5, 4e-5))]
+    sched._prefill_per_token = lambda: speed[0]
+    lull = [False]
+    sched._lull = lambda now: lull[0]
+    now, n = 1.0, 0
+    for step in range(60):
+        for _ in range(int(rng.integers(40, 70)) if step == 0 else int(rng.choice([0, 0, 1, 1, 2]))):
+            long = rng.random() < 0.2  # (now and then a long prompt come early: longer than a drop after it)
+            r = Request(n, now - float(rng.uniform(0, 1.0 if long else 0.3)),
+                        int(rng.integers(600, 2000) if long else rng.integers(1, 800)), 10)
+            n += 1
+            sched.add(r)
+            if rng.random() < 0.03:
+                sched._shed.add(r.id)
+        lull[0] = bool(rng.random() < 0.03)
+        if rng.random() < 0.1:
+            speed[0] *= float(rng.uniform(0.8, 1.25))
+        fresh, shed = list(sched.waiting), set() if lull[0] else set(sched._shed)
+        deadline, target = dict(sched.deadline), dict(sched.target)
+        free, releases = sched._seat_releases(now, 0, len(fresh))
+        want, late = reference_order(fresh, deadline, target, now, speed[0], free, releases, shed, False)
+        sched._order(now)
+        if len(fresh) == 1 and not late:
+            want = fresh
+        assert [r.id for r in sched.waiting] == [r.id for r in want]
+        assert late <= sched._late
+        if sched.waiting and rng.random() < 0.4:
+            sched._admit(sched.waiting[0])
+        if sched.waiting and rng.random() < 0.1:
+            sched.abort(sched.waiting[int(rng.integers(len(sched.waiting)))].id, now)
+        for r in sched.running:  # a decode step
+            r.num_output += 1
+            r.num_computed += 1
+        if sched.running and rng.random() < 0.2:
+            sched.running.pop(int(rng.integers(len(sched.running))))  # (a completion: a seat frees)
+        now += float(rng.uniform(0.001, 0.03))
+
+
 # ---- requests deferred on arrival when the recent arrivals overload the GPU (_shed_on_arrival) -------------
 
 
