@@ -14,7 +14,7 @@ writes as the passes are measured; ``--medians``):
 3. the random 20 % split over seeds 0..S-1 (``--seeds``), every gated family: is a family's miss on seed 0 (mixed
    n=6) a small-sample artifact?
 
-    PYTHONPATH=$PWD python3 bench/corun_residuals.py [PROFILE_DIR] [--medians] [--seeds 5]
+    PYTHONPATH=$PWD python3 bench/corun_residuals.py [PROFILE_DIR] [--medians] [--seeds 5] [--no-split-factor]
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def typed(prof, rows: list[dict]) -> list[dict]:
         return read_typed(tmp, prof.num_sms)[0]
 
 
-def fitted(prof, held: list[bool]) -> FittedModel:
-    return FittedModel(fit_model(prof, [r for r, h in zip(prof.rows, held) if not h]), host=True)
+def fitted(prof, held: list[bool], factors: bool = True) -> FittedModel:
+    return FittedModel(fit_model(prof, [r for r, h in zip(prof.rows, held) if not h], split=factors), host=True)
 
 
 def co_prefill(r: dict) -> bool:
@@ -95,7 +95,7 @@ def group(p: dict) -> dict[str, str]:
             "layers": str(p["layers"])}
 
 
-def residuals(prof) -> dict[str, list[float]]:
+def residuals(prof, factors: bool = True) -> dict[str, list[float]]:
     rows, twins = prof.rows, {r["id"]: r["gpu_s"] for r in prof.rows if not r["co_kind"]}
 
     def twin_of(r: dict) -> float:  # NaN where the profile did not measure the shape alone (no --twins)
@@ -103,9 +103,9 @@ def residuals(prof) -> dict[str, list[float]]:
     out: dict[str, dict] = {"interior": {}, "in sample": {}}
     for name, split, held in folds(prof):
         if split == "interior" and any(h and co_prefill(r) for r, h in zip(rows, held)):
-            fm = fitted(prof, held)
+            fm = fitted(prof, held, factors)
             out["interior"].update({r["id"]: parts(fm, r, twin_of(r)) for r, h in zip(rows, held) if h and co_prefill(r)})
-    fm = fitted(prof, [False] * len(rows))
+    fm = fitted(prof, [False] * len(rows), factors)
     out["in sample"] = {r["id"]: parts(fm, r, twin_of(r)) for r in rows if co_prefill(r)}
     by_id = {r["id"]: r for r in rows}
     print("\n1. co-run prefill, MAPE % (bias) of the co-run time | eager at the shape (alone over twin) | slowdown "
@@ -132,7 +132,7 @@ def residuals(prof) -> dict[str, list[float]]:
     return out["interior"]
 
 
-def noise(prof, interior: dict, first_card: set[str]) -> None:
+def noise(prof, interior: dict, first_card: set[str], factors: bool = True) -> None:
     """``first_card``: the co-run ids whose first pass was measured on another card (the rows points.csv had
     before the re-measurement's passes): one pass's sd is taken from their later passes only."""
     path = prof.folder / PASSES_FILE
@@ -175,7 +175,7 @@ def noise(prof, interior: dict, first_card: set[str]) -> None:
     per_pass = defaultdict(list)
     by_k = defaultdict(list)
     for pid, (name, held) in fold_models.items():
-        fm = cache.get(name) or cache.setdefault(name, fitted(prof, held))
+        fm = cache.get(name) or cache.setdefault(name, fitted(prof, held, factors))
         for k, row in enumerate(passes.get(pid, []), 1):
             r = dict(by_id[pid], **{c: float(row[c]) for c in ("gpu_s", "overlap")})
             p, m = predictions(fm, r)["co-run prefill"]
@@ -187,12 +187,12 @@ def noise(prof, interior: dict, first_card: set[str]) -> None:
                                           for k, v in sorted(by_k.items())))
 
 
-def seeds(prof, n: int) -> None:
+def seeds(prof, n: int, factors: bool = True) -> None:
     print(f"\n3. random 20 % split, seeds 0..{n - 1}: MAPE % (points) per seed, then pooled")
     pooled, over = defaultdict(list), defaultdict(int)
     for seed in range(n):
         held = folds(prof, seed)[0][2]
-        fm = fitted(prof, held)
+        fm = fitted(prof, held, factors)
         errs = defaultdict(list)
         for r, h in zip(prof.rows, held):
             if h:
@@ -212,6 +212,8 @@ def main() -> None:
     ap.add_argument("profile", nargs="?", default="profiles/h200/llama-3.1-8b", help="profile folder")
     ap.add_argument("--medians", action="store_true", help="co-run rows: the median of their passes")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--no-split-factor", action="store_true",
+                    help="fit without the co-run factor per prefill size (format version 8's fit)")
     a = ap.parse_args()
     try:
         prof = load_profile(a.profile)
@@ -221,9 +223,10 @@ def main() -> None:
     if a.medians and (prof.folder / PASSES_FILE).exists():
         prof = with_medians(prof)
     print(f"=== {a.profile}: {len(prof.rows)} points" + (", co-run rows the median of their passes" if a.medians else ""))
-    interior = residuals(prof)
-    noise(prof, interior, first_card)
-    seeds(prof, a.seeds)
+    factors = not a.no_split_factor
+    interior = residuals(prof, factors)
+    noise(prof, interior, first_card, factors)
+    seeds(prof, a.seeds, factors)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 9's co-runner sweep (bench/corun_sweep.py): the shipped Llama-3.1-8B profile resumed with --corun-sweep
-# (104 co-run points in 2 passes, and their twins; about 620 s on an H200 at 2.95 s a co-run point), with NVML
+# (104 co-run points in 2 passes, and their twins; measured 2026-12-03: 240 s in call 1, 318 s in call 2), with NVML
 # clocks and power logged. Two device calls of the same script:
 #   bash tools/gpu_corun_sweep.sh 1   # the card against the profile (solo and co-run points), the decode-first
 #                                     # spread (bench/decode_first_spread.py), then the sweep for LIMIT s

@@ -411,6 +411,13 @@ class Profiler:
         """Warm up, then ``reps`` runs; returns the CSV row."""
         if pt.co is not None:
             return self._measure_corun(pt)
+        runs = self.solo_runs(pt)
+        row = self._row(pt, runs[0][0].batch, runs)
+        self.solo[pt.id] = row["gpu_s"]
+        return row
+
+    def solo_runs(self, pt: Point) -> list[tuple[StepResult, float]]:
+        """A stand-alone point's ``reps`` timed runs after one warm-up run: each one's result and host seconds."""
         runs = []
         for rep in range(self.reps + 1):
             chunks = self._chunks(pt.shape, pt.shape.steps)
@@ -422,9 +429,7 @@ class Profiler:
             self._release(chunks)
             if rep:  # the first run warms up (graph capture, attention plans)
                 runs.append((res, host))
-        row = self._row(pt, batch, runs)
-        self.solo[pt.id] = row["gpu_s"]
-        return row
+        return runs
 
     def _measure_corun(self, pt: Point) -> dict:
         """``pt.shape`` on its lane while ``pt.co`` runs on the other, both lanes kept busy as loaded serving keeps

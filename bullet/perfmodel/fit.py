@@ -418,8 +418,10 @@ def ramp_penalty(terms, X: np.ndarray, y: np.ndarray, strength: float = RAMP_SMO
     return np.array(rows).reshape(-1, X.shape[1])
 
 
-def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None) -> dict:
-    """Fit every family on ``rows`` (of ``prof``); returns the model dict (no errors yet)."""
+def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernels: dict | None = None,
+              split: bool = True) -> dict:
+    """Fit every family on ``rows`` (of ``prof``); returns the model dict (no errors yet). ``split``: the co-run
+    prefill's factor per prefill size (:func:`split_factors`; False: version 8's fit, for comparisons)."""
     if terms is None:  # the eager family's ramps sit on the partition sizes these rows measured
         terms = default_terms(prof.num_sms, eager_sms={r["sms"] for r in rows if is_solo(r) and not is_decode(r)},
                               gemm=prof.gemm is not None)
@@ -457,7 +459,7 @@ def fit_model(prof: Profile, rows: list[dict], terms: dict | None = None, kernel
     model = _assemble(prof, terms, kernels, coef, counts)
     # what the smooth slowdown leaves on each prefill size (split_factors), on top of it: the smooth terms stay
     # the best fit to all sizes (an unmeasured size has them alone), the factors only the sizes' departures
-    if factors := split_factors(FittedModel(model, host=False), rows):
+    if split and (factors := split_factors(FittedModel(model, host=False), rows)):
         model["co_split_factor"] = factors
     return model
 
