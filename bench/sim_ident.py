@@ -4,8 +4,9 @@
 
 Runs the whole command (``python -m bullet.cli simulate ... --out DIR``) for every policy on the default
 bundled trace and on the first 3,000 requests of the Azure 2023 conversation trace, and hashes what it
-writes: requests.csv and timeline.csv byte for byte, summary.json without its wall time and the trace file's
-path (the only entries that differ between identical runs, or between worktrees). Prints one hash per run
+writes: requests.csv and timeline.csv byte for byte, summary.json without its wall time and with the trace
+file's path made ``<trace>`` (the only entries that differ between identical runs, or between worktrees: a
+worktree outside /work reads the shared traces through another path). Prints one hash per run
 and one per latency model (over its runs, in order); equal hashes before and after a change: same launches,
 same metrics.
 """
@@ -35,8 +36,11 @@ def run_hash(policy: str, latency: str, trace_args: tuple[str, ...]) -> str:
             h.update((Path(out) / name).read_bytes())
         summary = json.loads((Path(out) / "summary.json").read_text())
         del summary["sim_wall_s"]
-        del summary["settings"]["trace_file"]
-        h.update(json.dumps(summary, sort_keys=True).encode())
+        del summary["settings"]["trace_file"]  # (absolute: the worktree's bundled trace too)
+        text = json.dumps(summary, sort_keys=True)
+        if trace_args:  # the trace's path, in several entries (trace, settings, the command): one worktree's
+            text = text.replace(json.dumps(trace_args[1])[1:-1], "<trace>")
+        h.update(text.encode())
         return h.hexdigest()
 
 

@@ -38,7 +38,7 @@ from bullet.perfmodel.fit import (
     work_of_row,
     write_model,
 )
-from bullet.perfmodel.fitted import Quantities
+from bullet.perfmodel.fitted import DEFAULT_KERNELS, Quantities
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_PROFILE = ROOT / "profiles/h200/llama-3.1-8b"
@@ -270,7 +270,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 9
+    assert data["version"] == 10
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -280,9 +280,10 @@ def test_other_model_versions(real_model):
     FittedModel({**data, "version": 5})  # version 5: the shipped files' (no grid basis)
     FittedModel({**data, "version": 6})  # version 6: no tensor-core co-runner term
     FittedModel({**data, "version": 7})  # version 7: no small_gemm_flops, no co_gemm_half (the shipped files')
-    FittedModel({**data, "version": 8})  # version 8: no co_split_factor (the shipped files')
-    with pytest.raises(ConfigError, match=r"version 10, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9: refit"):
-        FittedModel({**data, "version": 10})
+    FittedModel({**data, "version": 8})  # version 8: no co_split_factor
+    FittedModel({**data, "version": 9})  # version 9: no longest_extra
+    with pytest.raises(ConfigError, match=r"version 11, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10: refit"):
+        FittedModel({**data, "version": 11})
     with pytest.raises(ConfigError, match="co_split_factor"):
         FittedModel({**data, "co_split_factor": {"36": 0.0}})
 
@@ -1029,3 +1030,20 @@ def test_fitting_learns_a_split_factor_where_the_smooth_slowdown_misses(tmp_path
 
     assert mape(without, True) > 0.03 and mape(with_f, True) < 0.01
     assert mape(with_f, False) <= mape(without, False) + 1e-9
+
+
+def test_longest_extra_is_the_longest_program_beyond_its_even_share():
+    """Format version 10's ``longest_extra``, by hand for one 8,192-token row beside 255 of 512 (bucket 256: one
+    attention slice, 1024 target programs / (256 rows x 8 KV heads) rounded up): the longest program reads 8,192
+    tokens; all programs read 8 x (8192 + 255 x 512) = 1,110,016, over 32 x 4 slots 8,672 each (past the longest:
+    0), over 104 x 4 slots 2,668.3 each (8192 - 1110016 / 416 = 5523.69 beyond it). Quantities are per layer in
+    thousands of tokens, times 32 layers."""
+    q = Quantities(LLAMA, 132, dict(DEFAULT_KERNELS))
+    kv = 8192 + 255 * 512
+    w = Work(32, 256, 256, float(kv), kv, 256, True, 8192)
+    assert q.decode(w, 32)["longest_extra"] == 0.0
+    assert q.decode(w, 104)["longest_extra"] == pytest.approx(32 * (8192 - 1110016 / 416) * 1e-3, rel=1e-12)
+    assert q.decode(w, 104)["longest"] == pytest.approx(32 * 8.192, rel=1e-12)
+    # on an array of SM counts, element by element the same
+    got = q.decode(w, np.array([32, 104]))["longest_extra"]
+    assert got[0] == 0.0 and got[1] == q.decode(w, 104)["longest_extra"]

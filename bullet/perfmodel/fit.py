@@ -90,8 +90,8 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
     co-runner runs GEMMs on the tensor cores at all)."""
     ks = [f"k{k}" for k in knots if k < num_sms] + [f"k{num_sms}"]
     dec = [(q, b) for q in ("weights", "weights_gemv", "kv", "rows") for b in ks]
-    dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("gemm_waves", "one"),
-            ("layers", "one"), ("launch", "one")]
+    dec += [("weights", "full"), ("kv", "full"), ("rows", "full"), ("longest", "one"), ("longest_extra", "one"),
+            ("gemm_waves", "one"), ("layers", "one"), ("launch", "one")]
     if gemm:
         dec.append(("gemm_table", "one"))
     hs = ramp_bases(s for s in eager_sms if s < num_sms)

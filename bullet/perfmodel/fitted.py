@@ -32,6 +32,14 @@ layers) times an *SM basis* function of the partition's SM count ``n``:
 Families (what is fitted to what in ``points.csv``; ``bullet/perfmodel/fit.py``):
 
 * ``decode_step``: one later step of a fused decode launch (CUDA graph replay), fitted to ``step_s``;
+  The decode families' attention terms: ``kv`` (the KV bytes every program reads, over the SMs' bandwidth),
+  ``longest`` (the longest program's tokens) and ``longest_extra`` (format version 10): the longest program's
+  tokens beyond its even share of all programs' tokens over the partition's program slots, ``max(0, longest -
+  kv_heads x KV tokens / (n x slots))``. The attention kernel's time is about the larger of the even share and
+  the longest program (one 8,192-token row beside 255 of 512 tokens: the share on few SMs, the longest program on
+  many), which a sum of the first two terms cannot follow: it missed such skewed batches by +14 % near the
+  crossing and -8 % past it on the H200 Llama-3.1-8B profile (bench/RESULTS.md, "A decode step's longest
+  attention program beyond its share");
 * ``decode_first``: the first step of a decode launch (it also pays the graph inputs' preparation),
   fitted to ``first_s``; both decode families take, where the profile has one (``gemm.csv``), the measured time
   of one layer's GEMMs at the graph bucket's rows on ``n`` SMs (``gemm_table``, :class:`GemmTable`, stored in the
@@ -86,13 +94,14 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 9  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 10  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
 # slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
 # slowdown beside a tensor-core co-runner (``co_tc_co_sm``); 8: the FLOPs of the GEMMs with few output tiles
 # (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); 9: a co-run
-# prefill's factor per prefill partition size (``co_split_factor``); older files read unchanged
-READS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# prefill's factor per prefill partition size (``co_split_factor``); 10: the decode families' ``longest_extra`` (the
+# kernels' ``attn_slots_per_sm``); older files read unchanged
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -103,6 +112,11 @@ DEFAULT_KERNELS = {
     "attn_target_programs": 1024,
     "attn_max_splits": 32,
     "attn_block_n": 64,
+    # decode-attention programs an SM runs at once, for ``longest_extra``'s even share: held-out decode MAPE on the
+    # H200 Llama-3.1-8B profile over 10 random splits, first step / later steps, 3.04 / 2.49 % without the term,
+    # with it at 1: 2.98 / 2.42, 2: 2.78 / 2.29, 4: 2.72 / 2.22, 8: 2.82 / 2.29 (bench/RESULTS.md). (Its shared
+    # memory, three stages of a 64-token K and V tile, leaves room for two; the share is a fitted scale.)
+    "attn_slots_per_sm": 4,
     "tile_m": 128,
     "tile_n": 256,
 }
@@ -114,7 +128,7 @@ EAGER_HOSTED = True  # default of FittedModel(host=...)
 FLOAT_STRETCH = 64
 
 # quantities each family may use (computed by Quantities below)
-DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "rows", "gemm_waves", "gemm_table", "layers", "launch")
+DECODE_Q = ("weights", "weights_gemv", "kv", "longest", "longest_extra", "rows", "gemm_waves", "gemm_table", "layers", "launch")
 # the layer products a decode step's GEMMs run (a profile's gemm.csv: their measured seconds by SM count and rows)
 GEMM_PRODUCTS = ("qkv", "o", "gate_up", "down")
 EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "seq_layers",
@@ -334,7 +348,7 @@ class Quantities:
     def decode(self, w: Work, n, kv=None, max_kv=None) -> dict:
         """One decode step of ``w`` (``kv``/``max_kv`` override its KV tokens: arrays over fused steps)."""
         out = self.decode_static(w, n)
-        out["kv"], out["longest"] = self.decode_var(w, kv, max_kv)
+        out["kv"], out["longest"], out["longest_extra"] = self.decode_var(w, n, kv, max_kv)
         return out
 
     def decode_static(self, w: Work, n) -> dict:
@@ -352,19 +366,28 @@ class Quantities:
             "launch": 1e-3,
         }
 
-    def decode_var(self, w: Work, kv=None, max_kv=None, splits: float | None = None) -> tuple:
-        """(``kv``, ``longest``) of a decode step: KV bytes read, and the tokens of the longest attention
-        program, ceil(ceil(max_kv / splits) / block_n) * block_n (the graph's split for its capacity)."""
+    def decode_var(self, w: Work, n, kv=None, max_kv=None, splits: float | None = None) -> tuple:
+        """(``kv``, ``longest``, ``longest_extra``) of a decode step on ``n`` SMs: KV bytes read, the tokens of
+        the longest attention program, ceil(ceil(max_kv / splits) / block_n) * block_n (the graph's split for its
+        capacity), and those beyond the programs' even share (:meth:`share`)."""
         L = float(w.num_layers)
         kv = float(w.kv_read) if kv is None else kv
         mk = float(w.max_kv or (w.kv_read / max(1, w.seqs))) if max_kv is None else max_kv
         per_block = self.k["attn_block_n"]
         s = self.graph_splits(w.seqs) if splits is None else splits
-        if isinstance(mk, np.ndarray):
+        g = self.share(n)
+        if isinstance(mk, np.ndarray) or isinstance(kv, np.ndarray) or isinstance(g, np.ndarray):
             longest = np.ceil(np.ceil(mk / s) / per_block) * per_block
+            extra = np.maximum(0.0, longest - kv * g)
         else:
             longest = float(math.ceil(math.ceil(mk / s) / per_block) * per_block)
-        return L * kv * self.kv_bytes * 1e-9, L * longest * 1e-3
+            extra = max(longest - kv * g, 0.0)
+        return L * kv * self.kv_bytes * 1e-9, L * longest * 1e-3, L * extra * 1e-3
+
+    def share(self, n):
+        """A KV token's share of one program slot on ``n`` SMs: ``kv_heads / (n x attn_slots_per_sm)`` (every
+        KV head of a row reads its tokens in programs of its own)."""
+        return self.kv_heads / (n * float(self.k["attn_slots_per_sm"]))
 
     @staticmethod
     def prefix(w: Work) -> float:
@@ -454,14 +477,15 @@ def _ramp(n: np.ndarray, first: int, k: int, hi: int, num_sms: int) -> np.ndarra
     return out
 
 
-VARYING = ("kv", "longest")  # the decode quantities that change from one fused step to the next
+VARYING = ("kv", "longest", "longest_extra")  # the decode quantities that change from one fused step to the next
 
 
 class Linear:
     """One family: ``sum_i coef_i * quantity_i * basis_i(n)``, folded at load into one per-SM-count weight
     table per quantity (``table[q][n] = sum of coef * basis(n) over q's terms``). Quantities are summed in
-    a fixed order, those in VARYING last, so a decode step is ``const + kv * w_kv + longest * w_longest``
-    with ``const`` memoisable; every path does the same operations in the same order."""
+    a fixed order, those in VARYING last, so a decode step is ``const + kv * w_kv + longest * w_longest +
+    longest_extra * w_extra`` with ``const`` memoisable; every path does the same operations in the same order (a
+    zero ``longest_extra`` is not added: ``x + 0.0`` is ``x``)."""
 
     def __init__(self, terms: list[tuple[str, str]], coef: list[float], num_sms: int) -> None:
         if len(terms) != len(coef):
@@ -479,6 +503,7 @@ class Linear:
         zero = [0.0] * (num_sms + 1)
         self.w_kv = tables["kv"].tolist() if "kv" in tables else zero
         self.w_longest = tables["longest"].tolist() if "longest" in tables else zero
+        self.w_extra = tables["longest_extra"].tolist() if "longest_extra" in tables else zero
 
     def scalar(self, qv: dict, n: int) -> float:
         out = 0.0
@@ -492,12 +517,12 @@ class Linear:
             out = out + qv[q] * tab[n]
         return out
 
-    def parts(self, qv: dict, n: int) -> tuple[float, float, float]:
-        """(sum of the non-varying terms, weight of kv, weight of longest) on ``n`` SMs."""
+    def parts(self, qv: dict, n: int) -> tuple[float, float, float, float]:
+        """(sum of the non-varying terms, weight of kv, of longest, of longest_extra) on ``n`` SMs."""
         out = 0.0
         for q, tab in self.static:
             out += qv[q] * tab[n]
-        return out, self.w_kv[n], self.w_longest[n]
+        return out, self.w_kv[n], self.w_longest[n], self.w_extra[n]
 
 
 class GraphLimits(NamedTuple):
@@ -740,9 +765,14 @@ class FittedModel:
         if steps > 1:
             i = np.arange(1, steps, dtype=np.float64)
             mk = float(work.max_kv or (work.kv_read / max(1, work.seqs)))
-            const, w_kv, w_longest, splits = self._decode_parts("decode_step", work, n)
-            kv, longest = self.q.decode_var(work, work.kv_read + i * work.seqs, mk + i, splits)
+            const, w_kv, w_longest, w_extra, splits, g = self._decode_parts("decode_step", work, n)
+            kv, longest, _ = self.q.decode_var(work, n, work.kv_read + i * work.seqs, mk + i, splits)
             out[1:] = const + kv * w_kv + longest * w_longest
+            if w_extra:  # longest_extra's term, as e0 - i * d (decode_step_ends' form: two operations a step)
+                a = float(work.num_layers) * 1e-3 * w_extra
+                ga = g * a
+                lt = np.ceil(np.ceil((mk + i) / splits) / self.q.per_block) * self.q.per_block
+                out[1:] += np.maximum(lt * a - work.kv_read * ga - i * (work.seqs * ga), 0.0)
         if co is not None and co_sms:
             out *= 1.0 + self._slowdown("co_decode", n, co, co_sms, False)
         return out
@@ -763,7 +793,7 @@ class FittedModel:
         setup = self._dsetup.get(key)
         if setup is None:
             setup = self._decode_setup(work, num_sms, co, co_sms, key)
-        c1, wk1, wl1, s1, c, w_kv, w_longest, splits, f, n, unit = setup
+        c1, wk1, wl1, wx1, s1, g, c, w_kv, w_longest, w_x, splits, _, f, n, unit = setup
         raw = self._raw
         kvb, per_block = self.q.kv_bytes, self.q.per_block
         L = float(L)
@@ -779,8 +809,10 @@ class FittedModel:
             i = len(times)
         else:
             # the first step: decode_var's operations (kv read as a float), then _decode_step's sum
-            t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + \
-                L * float(math.ceil(math.ceil(mk / s1) / per_block) * per_block) * 1e-3 * wl1
+            lt = float(math.ceil(math.ceil(mk / s1) / per_block) * per_block)
+            t = c1 + L * float(kv0) * kvb * 1e-9 * wk1 + L * lt * 1e-3 * wl1
+            if wx1 and (e := lt - float(kv0) * g) > 0.0:
+                t += L * e * 1e-3 * wx1
             times, i = [t], 1
         # the later steps: the longest program's blocks, ceil(ceil((mk + i) / splits) / block_n), are a
         # non-decreasing step function of i (each operation is monotone), so each run of equal blocks is
@@ -803,12 +835,33 @@ class FittedModel:
                         lo = mid
                     else:
                         j = mid
-            b = L * float(m * per_block) * 1e-3 * w_longest
+            lt = float(m * per_block)
+            b = L * lt * 1e-3 * w_longest
+            # longest_extra's term, e0 - k * d as decode_steps computes it: positive up to the first step whose even
+            # share reaches the longest program (non-increasing in k: found by bisection), 0 (not added) from there
+            x_end = i
+            if w_x:
+                a = L * 1e-3 * w_x
+                ga = g * a
+                e0, d = lt * a - kv0 * ga, fs * ga
+                if e0 - i * d > 0.0:
+                    x_end = j
+                    if e0 - (j - 1) * d <= 0.0:
+                        lo = i
+                        while x_end - lo > 1:
+                            mid = (lo + x_end) // 2
+                            if e0 - mid * d > 0.0:
+                                lo = mid
+                            else:
+                                x_end = mid
             if exact:
                 kv = accumulate(repeat(float(unit * seqs), j - i - 1), initial=float(unit * (kv0 + i * seqs)))
+                if x_end > i:  # (the range first in zip: it stops without drawing from kv a step after x_end's)
+                    times += [c + x * 1e-9 * w_kv + b + (e0 - k * d) for k, x in zip(range(i, x_end), kv)]
                 times += [c + x * 1e-9 * w_kv + b for x in kv]
             else:
-                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(i, j)]
+                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b + (e0 - k * d) for k in range(i, x_end)]
+                times += [c + L * (kv0 + k * fs) * kvb * 1e-9 * w_kv + b for k in range(x_end, j)]
             i = j
         self._raw = (work, n, times)  # unscaled: (each step) * f is the step next to the co-runner
         if f is not None:
@@ -855,26 +908,31 @@ class FittedModel:
             out = self._share[key] = shared_sms(n, co_sms, work, co, self.num_sms)
         return out
 
-    def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float]:
-        """(const, w_kv, w_longest, splits), memoised: decode launches repeat (layers, batch, SMs)."""
+    def _decode_parts(self, family: str, work: Work, n: int) -> tuple[float, float, float, float, float, float]:
+        """(const, w_kv, w_longest, w_extra, splits, share), memoised: decode launches repeat (layers, batch,
+        SMs)."""
         key = (family, work.num_layers, work.seqs, n)
         parts = self._parts.get(key)
         if parts is None:
             if len(self._parts) >= 65536:
                 self._parts.clear()
-            const, w_kv, w_longest = self.f[family].parts(self.q.decode_static(work, n), n)
-            parts = self._parts[key] = (const, w_kv, w_longest, self.q.graph_splits(work.seqs))
+            parts = self._parts[key] = (*self.f[family].parts(self.q.decode_static(work, n), n),
+                                        self.q.graph_splits(work.seqs), self.q.share(n))
         return parts
 
     def _decode_step(self, family: str, work: Work, n: int) -> float:
         layers, _, seqs, _, kv, _, _, max_kv = work  # (one unpacking: a NamedTuple field read is a generic lookup)
         parts = self._parts.get((family, layers, seqs, n))  # (_decode_parts' memo, read here first)
-        const, w_kv, w_longest, splits = parts if parts is not None else self._decode_parts(family, work, n)
-        # decode_var(work, splits=splits)'s operations, inline (policies ask this for every candidate SM count)
+        const, w_kv, w_longest, w_extra, splits, g = parts if parts is not None else \
+            self._decode_parts(family, work, n)
+        # decode_var(work, n, splits=splits)'s operations, inline (policies ask this for every candidate SM count)
         q, L = self.q, float(layers)
         per_block, mk = q.per_block, float(max_kv or (kv / max(1, seqs)))
-        return const + L * float(kv) * q.kv_bytes * 1e-9 * w_kv + \
-            L * float(math.ceil(math.ceil(mk / splits) / per_block) * per_block) * 1e-3 * w_longest
+        lt = float(math.ceil(math.ceil(mk / splits) / per_block) * per_block)
+        t = const + L * float(kv) * q.kv_bytes * 1e-9 * w_kv + L * lt * 1e-3 * w_longest
+        if w_extra and (e := lt - float(kv) * g) > 0.0:
+            t += L * e * 1e-3 * w_extra
+        return t
 
     def padded(self, work: Work) -> Work:
         """The Work a launch really computes (see :meth:`GraphLimits.padded`)."""
