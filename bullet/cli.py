@@ -566,11 +566,17 @@ def profile(
                     "(bench/RESULTS.md): estimated from the shipped profile's per-point times at about 800 s on an H200 "
                     "resuming it with --sizes all --twins, --corun-min 4 about 950 s (bench/profile_resume_estimate.py; "
                     "not yet measured).")] = None,
+    decode_passes: Annotated[int | None, typer.Option(
+        min=1, help="Measure every solo decode point in this many passes (after the other solo points, each pass "
+                    "in the reverse order of the one before), keeping each pass in decode_passes.csv and the "
+                    "median in points.csv; a one-pass row already there counts as the first pass. For the first "
+                    "decode step's noise between passes (2.3 %, against 0.7 % within one). Default: the "
+                    "profile's own (metadata.json), 1 for a new one.")] = None,
 ) -> None:
     """Measure the executor's own launches (prefill, decode graphs, mixed steps, co-runs) on every partition
     size and write points.csv + metadata.json, then the engine's host time between launches by batch size
     (gaps.csv; delete it to measure it again): the measurements a fitted latency model is made from. A
-    resumed profile keeps the grid options and co-run passes it was measured with (metadata.json)."""
+    resumed profile keeps the grid options and the co-run and decode passes it was measured with (metadata.json)."""
     try:
         spec = resolve_model(model)
     except ConfigError as e:
@@ -613,7 +619,7 @@ def profile(
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
                                             redo_coruns, sizes, twins, corun_min, corun_passes,  # type: ignore[arg-type]
-                                            corun_sweep)
+                                            corun_sweep, decode_passes)
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:
@@ -621,7 +627,8 @@ def profile(
     finally:
         ex.close()
     console.print(f"measured {measured} points ({skipped} already there) -> {out}/points.csv, metadata.json"
-                  + (" (a co-run point counts once a pass)" if (corun_passes or 1) > 1 else ""))
+                  + (" (a point measured in passes counts once a pass)"
+                     if (corun_passes or 1) > 1 or (decode_passes or 1) > 1 else ""))
 
 
 @app.command(cls=PlainHelpCommand)
@@ -723,6 +730,11 @@ def print_fit_table(model: dict, console: Console) -> None:
                   "intr: interior loso, loso without holding out a lane's smallest or largest size (extrapolation past "
                   "anything measured, which service never meets). Gated: {}. (*) not gated: host time counts "
                   "through whole launches.".format(err["seed"], " and ".join(err.get("gated_splits", ("random", "loso")))))
+    for key, what in (("decode_passes", "solo decode points"), ("decode_first_passes", "their first steps")):
+        if (spread := model["profile"].get(key)) is not None:
+            console.print(f"{what} measured in passes ({spread['source']}): {spread['points']} points, up to "
+                          f"{spread['passes']} passes each; (max - min) / median {100 * spread['spread_mean']:.1f} % "
+                          f"mean, one pass's sd {100 * spread['pass_sd']:.1f} % (pooled)", highlight=False)
     spread = model["profile"].get("corun_passes")
     if spread is not None:
         console.print(f"co-run points measured in passes ({spread['source']}): {spread['points']} points, up to "

@@ -1047,3 +1047,22 @@ def test_longest_extra_is_the_longest_program_beyond_its_even_share():
     # on an array of SM counts, element by element the same
     got = q.decode(w, np.array([32, 104]))["longest_extra"]
     assert got[0] == 0.0 and got[1] == q.decode(w, 104)["longest_extra"]
+
+
+def test_decode_passes_spread_reads_the_first_step_and_checks_solo_decode_rows(tmp_path, real):
+    """decode_passes.csv (``bullet profile --decode-passes``): the spread of the column asked for (first_s: passes at
+    0.97 t and 1.03 t of a row's first step, (max - min) / median 6 %), checked against the solo decode rows (their
+    first step is the median of the two passes: none off), not the co-run rows."""
+    folder = copy_profile(tmp_path)
+    dec = [r for r in csv.DictReader((folder / "points.csv").open()) if r["kind"] == "decode" and not r["co_kind"]]
+    with (folder / "decode_passes.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["pass", *dec[0]])
+        w.writeheader()
+        for r in dec[:10]:
+            for k, x in enumerate((0.97, 1.03), 1):
+                w.writerow({"pass": k, **r, "first_s": repr(float(r["first_s"]) * x)})
+    spread = pass_spread(folder / "decode_passes.csv", load_profile(folder).rows, "first_s")
+    assert (spread["points"], spread["passes"], spread["not_median"], spread["no_row"]) == (10, 2, 0, 0)
+    assert spread["spread_mean"] == pytest.approx(0.06)
+    # step_s is the same in both passes: no spread
+    assert pass_spread(folder / "decode_passes.csv", load_profile(folder).rows)["spread_mean"] == 0.0

@@ -17,6 +17,7 @@ from bullet.cli import app
 from bullet.config import GPUS, MODELS, gpu_short_name
 from bullet.gpu.profile import (
     COLUMNS,
+    DECODE_PASSES_FILE,
     PASSES_FILE,
     Profiler,
     grid,
@@ -298,6 +299,37 @@ def test_co_runs_in_passes_are_the_median_of_their_passes_and_resume(tmp_path):
         assert [p["pass"] for p in ps] == ["1", "2", "3"]
         assert float(rows[pid]["gpu_s"]) == pytest.approx(float(np.median([float(p["gpu_s"]) for p in ps])), rel=1e-8)
     assert json.loads((out / "metadata.json").read_text())["corun_passes"] == 3
+
+
+def test_decode_points_in_passes_alternate_their_order_and_keep_the_median(tmp_path):
+    """--decode-passes 2 on the CPU, on a profile measured in one pass: its decode rows are pass 1, pass 2 runs over
+    the solo decode points in the reverse order, points.csv holds the mean of the two (the median of two), the
+    metadata the count; a rerun measures nothing and a torn pass only itself; co-run points stay out of it."""
+    out = tmp_path / "prof"
+    run(out)
+    first = {r["id"]: r for r in read_points(out / "points.csv")}
+    dec = [pid for pid, r in first.items() if r["kind"] == "decode" and not r["co_kind"]]
+    assert len(dec) >= 2 and not (out / DECODE_PASSES_FILE).exists()
+    assert f"measured {len(dec)} points" in run(out, "--decode-passes", "2")
+    with (out / DECODE_PASSES_FILE).open(newline="") as f:
+        lines = list(csv.DictReader(f))
+    one, two = ([r["id"] for r in lines if r["pass"] == k] for k in ("1", "2"))
+    assert one == dec and two == dec[::-1]  # pass 1: the old rows in grid order; pass 2 reversed
+    rows = {r["id"]: r for r in read_points(out / "points.csv")}
+    for r in lines[:len(dec)]:
+        assert float(r["first_s"]) == pytest.approx(float(first[r["id"]]["first_s"]), rel=1e-8)
+    for pid in dec:
+        for col in ("first_s", "step_s", "gpu_s"):
+            a, b = (float(r[col]) for r in lines if r["id"] == pid)
+            assert float(rows[pid][col]) == pytest.approx((a + b) / 2, rel=1e-8), (pid, col)
+        assert int(rows[pid]["reps"]) == 2 * int(first[pid]["reps"])
+    assert all(rows[pid] == first[pid] for pid in first if pid not in dec)  # the rest untouched
+    assert json.loads((out / "metadata.json").read_text())["decode_passes"] == 2
+    assert "measured 0 points" in run(out)  # the profile keeps its count
+    text = (out / DECODE_PASSES_FILE).read_text().splitlines(keepends=True)
+    (out / DECODE_PASSES_FILE).write_text("".join(text[:-1]) + text[-1][:20])
+    assert "measured 1 points" in run(out)
+    assert all(len(v) == 2 for v in read_passes(out / DECODE_PASSES_FILE).values())
 
 
 def test_a_run_stopped_inside_a_pass_leaves_points_csv_the_median_of_the_passes_measured(tmp_path, monkeypatch):

@@ -707,8 +707,10 @@ def _formatted(row: dict) -> dict:
     return {k: (f"{v:.9g}" if isinstance(v, float) else v) for k, v in row.items()}
 
 
-# A co-run point measured in several passes (``run_profile(corun_passes=K)``): every pass's row, with its number.
+# A co-run point measured in several passes (``run_profile(corun_passes=K)``): every pass's row, with its number;
+# likewise a solo decode point (``decode_passes=K``), in its own file.
 PASSES_FILE = "corun_passes.csv"
+DECODE_PASSES_FILE = "decode_passes.csv"
 PASS_COLUMNS = ("pass", *COLUMNS)
 _MEDIAN_COLUMNS = ("gpu_s", "first_s", "step_s", "host_s", "overlap")
 
@@ -722,7 +724,7 @@ def read_passes(path: Path) -> dict[str, list[dict]]:
 
 
 def median_row(passes: Sequence[dict]) -> dict:
-    """A co-run point from its passes: the features of the first; of each time (and the overlap) the median over
+    """A co-run or solo decode point from its passes: the features of the first; of each time (and the overlap) the median over
     the passes (the measured ones: a decode step no prefill covered is NaN); the fastest and slowest run; the
     runs counted; the median stretch (``steps``; the same in every pass where the decode point was measured
     solo first)."""
@@ -827,7 +829,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
                 prefill_graphs: bool = True, redo_coruns: bool = False, sizes: Sizes | None = None,
                 twins: bool = False, corun_min: int = 0, corun_passes: int | None = None,
-                corun_sweep: bool = False) -> tuple[int, int]:
+                corun_sweep: bool = False, decode_passes: int | None = None) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measurements, points
     skipped). ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches
     that a prefill graph can serve replay one (captured before their first run), as in serving; the limits go
@@ -842,7 +844,12 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     point has K passes its row in points.csv is the :func:`median_row` of all its passes. A co-run row of a
     profile measured in one pass counts as its first pass (``redo_coruns`` measures all K afresh). A rerun
     measures only the passes still missing; None: the profile's own K (metadata.json's ``corun_passes``, 1
-    where it has none), so a smaller K given to an interrupted profile ends it with the passes it has."""
+    where it has none), so a smaller K given to an interrupted profile ends it with the passes it has.
+
+    ``decode_passes`` K > 1: the same for the solo decode points (their first step moves ~2.3 % between passes of a
+    profile against 0.7 % between the runs of one: bench/RESULTS.md, "Decode first"), into ``decode_passes.csv``,
+    after the other solo points and before the co-run passes, each pass in the reverse order of the one before (what
+    ran just before a point differs between its passes); metadata.json's ``decode_passes``."""
     out.mkdir(parents=True, exist_ok=True)
     spec = executor.spec
     cpu = not executor.cuda
@@ -853,6 +860,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
         passes_path.unlink()
     opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min, corun_sweep)
     passes = corun_passes or int(old_meta.get("corun_passes", 1))
+    dpasses = decode_passes or int(old_meta.get("decode_passes", 1))
     pts = grid(spec, (tuple(menu.prefill), tuple(menu.decode)), quick, cpu,
                executor.kv.num_blocks * executor.kv.block_size, **opts)
     path = out / "points.csv"
@@ -863,6 +871,8 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
         _write_rows(path, list(have.values()))
     meta = metadata(executor, spec, weights, quick, reps, len(pts))
     meta.update(grid_options=opts, corun_passes=passes)
+    if dpasses > 1 or "decode_passes" in old_meta:
+        meta["decode_passes"] = dpasses
     graphs = prefill_graphs and (executor.use_graphs or not executor.cuda)
     meta["prefill_graphs"] = executor.prefill_graph_limits if graphs else None
     meta["skinny_table"] = _skinny_meta(getattr(executor, "skinny_source", None))
@@ -883,7 +893,9 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     for pid, row in have.items():  # co-runs size their stretches from earlier solo points
         prof.solo[pid] = float(row["gpu_s"])
     co_pts = [pt for pt in pts if pt.co is not None] if passes > 1 else []
-    total, done = len(pts) + (passes - 1) * len(co_pts), 0
+    dec_pts = [pt for pt in pts if pt.co is None and pt.shape.kind == "decode"] if dpasses > 1 else []
+    in_passes = {pt.id for pt in co_pts + dec_pts}
+    total, done = len(pts) + (passes - 1) * len(co_pts) + (dpasses - 1) * len(dec_pts), 0
 
     def report(pid: str) -> None:
         nonlocal done
@@ -893,7 +905,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
 
     measured = skipped = 0
     for pt in pts:
-        if co_pts and pt.co is not None:
+        if pt.id in in_passes:
             continue
         if pt.id in have:
             skipped += 1
@@ -901,9 +913,11 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
             _append(path, prof.measure(pt))
             measured += 1
         report(pt.id)
-    if co_pts:
-        runs, complete = _measure_passes(prof, out, co_pts, have, passes, report)
-        measured, skipped = measured + runs, skipped + complete
+    for group, k, file, alternate in ((dec_pts, dpasses, DECODE_PASSES_FILE, True),
+                                      (co_pts, passes, PASSES_FILE, False)):
+        if group:
+            runs, complete = _measure_passes(prof, out, group, have, k, report, file, alternate)
+            measured, skipped = measured + runs, skipped + complete
     gaps = out / "gaps.csv"
     if not gaps.exists():  # measured once, like the points (delete the file to measure again)
         write_gaps(gaps, measure_host_gaps(executor, GAP_SIZES if not cpu else (1, 4, 16)))
@@ -915,24 +929,26 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
 
 
 def _measure_passes(prof: Profiler, out: Path, pts: Sequence[Point], have: dict[str, dict], passes: int,
-                    report: Callable[[str], None]) -> tuple[int, int]:
-    """``passes`` passes over the co-run points ``pts`` (each pass measures every point still short of it), each
-    row appended to corun_passes.csv, and the point's row in points.csv replaced by the median of its passes so
+                    report: Callable[[str], None], file: str = PASSES_FILE,
+                    alternate: bool = False) -> tuple[int, int]:
+    """``passes`` passes over the points ``pts`` (each pass measures every point still short of it; ``alternate``:
+    each pass in the reverse order of the one before), each row appended to ``file`` (corun_passes.csv or
+    decode_passes.csv), and the point's row in points.csv replaced by the median of its passes so
     far at once: a run stopped at a time limit leaves points.csv with every pass measured (before, the medians were
     written only at the end, so an interrupted run left the first pass's rows and no row for a new point). At the
     end every point's row is the median of all its passes. Returns (runs measured, points that needed none)."""
-    path = out / PASSES_FILE
+    path = out / file
     done = read_passes(path)
     if path.exists():  # rewrite without a torn tail before appending
         _write_rows(path, read_points(path), PASS_COLUMNS)
-    for pt in pts:  # a co-run row measured in one pass (no record of passes) is the point's first pass
+    for pt in pts:  # a row measured in one pass (no record of passes) is the point's first pass
         if pt.id in have and pt.id not in done:
             _append(path, {"pass": 1, **{k: have[pt.id][k] for k in COLUMNS}}, PASS_COLUMNS)
             done[pt.id] = [have[pt.id]]
     complete = sum(len(done.get(pt.id, [])) >= passes for pt in pts)
     runs = 0
     for k in range(1, passes + 1):
-        for pt in pts:
+        for pt in (pts[::-1] if alternate and k % 2 == 0 else pts):
             if len(done.setdefault(pt.id, [])) < k:
                 row = prof.measure(pt)
                 _append(path, {"pass": len(done[pt.id]) + 1, **row}, PASS_COLUMNS)
