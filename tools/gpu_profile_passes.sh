@@ -9,25 +9,28 @@
 # The device works on a copy of the tree: after each call, copy $OUT/profile/* into profiles/h200/llama-3.1-8b/
 # of the checkout, so the next call resumes from it. `timeout` stopping the profile (exit 124) loses at most the
 # point being measured. Then, on the CPU: bullet fit profiles/h200/llama-3.1-8b [--force].
+# Another profile or other options: PROF=profiles/h200/qwen3-8b FLAGS="--sizes all --twins --corun-min 3" (the
+# model is the folder's name; a resume keeps the passes the profile was measured with, metadata.json).
 set -o pipefail
 call=${1:?usage: gpu_profile_passes.sh 1|2}
 OUT=${OUT:-profile_passes}
-PROF=profiles/h200/llama-3.1-8b
+PROF=${PROF:-profiles/h200/llama-3.1-8b}
+FLAGS=${FLAGS:---sizes all --twins --corun-min 3 --corun-passes 3}
 mkdir -p "$OUT/profile"
 source tools/device_setup.sh > "$OUT/setup-$call.log" 2>&1
 echo "card: $(nvidia-smi --query-gpu=uuid,clocks.sm,power.draw --format=csv,noheader)"
 if [ "$call" = 1 ]; then  # is this card as fast as the one that measured the shipped points? (~60 s)
-    timeout 90 python3 bench/card_check.py --count 16 > "$OUT/card_check.log" 2>&1
+    timeout 90 python3 bench/card_check.py --count 16 --profile "$PROF" > "$OUT/card_check.log" 2>&1
     echo "card_check: exit $?"; tail -6 "$OUT/card_check.log"
 fi
 start=$(date +%s)
-timeout "${LIMIT:-$([ "$call" = 1 ] && echo 480 || echo 560)}" bullet profile --quick --sizes all --twins \
-    --corun-min 3 --corun-passes 3 --out "$PROF" > "$OUT/profile-$call.log" 2>&1
+timeout "${LIMIT:-$([ "$call" = 1 ] && echo 480 || echo 560)}" bullet profile --quick $FLAGS \
+    --model "$(basename "$PROF")" --out "$PROF" > "$OUT/profile-$call.log" 2>&1
 rc=$?
 echo "profile: exit $rc in $(( $(date +%s) - start )) s (124: stopped at the limit; run the next call to resume)"
 grep -ao "measured [0-9]* points.*" "$OUT/profile-$call.log" | tail -1
 cp "$PROF"/points.csv "$PROF"/metadata.json "$OUT/profile/"
-[ -f "$PROF/corun_passes.csv" ] && cp "$PROF/corun_passes.csv" "$OUT/profile/"
+for f in corun_passes.csv decode_passes.csv; do [ -f "$PROF/$f" ] && cp "$PROF/$f" "$OUT/profile/"; done
 python3 - "$PROF" <<'EOF'
 import collections, csv, json, sys
 from pathlib import Path
