@@ -173,6 +173,37 @@ def test_every_legal_pair_is_disjoint_by_smid(menu):
 
 
 @pytest.mark.gpu
+def test_a_permuted_group_order_nests_and_keeps_every_legal_pair_disjoint(menu):
+    """``PartitionMenu.create(order=...)`` (bench/gpc_layout.py) with the driver's groups reversed: prefill then
+    takes the groups decode took, so a prefill partition of r + 8k SMs is the remainder plus the driver menu's decode
+    partition of 8k, and a decode partition of 8j the driver's prefill partition of r + 8j less the remainder; every
+    legal pair stays disjoint; a non-permutation is refused."""
+    from bullet.gpu.partitions import GreenContextError, PartitionMenu
+
+    r, n = menu.remainder, (menu.num_sms - menu.remainder) // menu.granule
+    pre = {k: _smids(s.stream) for k, s in menu.prefill.items() if k < menu.num_sms}
+    dec = {k: _smids(s.stream) for k, s in menu.decode.items() if k < menu.num_sms}
+    other = PartitionMenu.create(order=tuple(range(n - 1, -1, -1)))
+    try:
+        got_pre = {k: _smids(s.stream) for k, s in other.prefill.items() if k < other.num_sms}
+        got_dec = {k: _smids(s.stream) for k, s in other.decode.items() if k < other.num_sms}
+    finally:
+        other.close()
+    rest = pre[min(pre)] - got_dec[menu.granule]  # the remainder: in every prefill partition of both menus
+    assert len(rest) == r and got_dec[menu.granule] < pre[min(pre)]
+    for k, sms in got_pre.items():
+        assert sms == rest | dec[k - r], k
+    for j, sms in got_dec.items():
+        assert sms == pre[j + r] - rest, j
+    for p, sp in got_pre.items():
+        for d, sd in got_dec.items():
+            if p + d <= menu.num_sms:
+                assert not sp & sd, (p, d)
+    with pytest.raises(GreenContextError, match="not a permutation"):
+        PartitionMenu.create(order=(0, 0, *range(2, n)))
+
+
+@pytest.mark.gpu
 def test_cublas_on_partitions_matches_the_whole_gpu(menu):
     """cuBLAS on the smallest prefill partition and the largest decode partition computes what it computes on
     the whole GPU. (That a partition confines kernels to its SMs is shown by %smid above; how much slower a

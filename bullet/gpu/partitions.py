@@ -61,8 +61,11 @@ class PartitionMenu:
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, device: int = 0, granule: int = 8) -> PartitionMenu:
-        """The nested menu for ``device``: green contexts where the driver supports them, else a fallback."""
+    def create(cls, device: int = 0, granule: int = 8, order: tuple[int, ...] | None = None) -> PartitionMenu:
+        """The nested menu for ``device``: green contexts where the driver supports them, else a fallback.
+        ``order``: the split's groups in the order prefill takes them (decode from the other end); default the
+        driver's. Any order keeps every legal pair disjoint; on an H200 the driver's puts the two 8-SM halves of
+        each GPC 7 groups apart, so most splits share GPCs between the lanes (bench/sm_topology.py)."""
         try:
             import torch
         except ImportError:  # the core imports without torch; a menu without torch has no streams
@@ -81,7 +84,7 @@ class PartitionMenu:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info(device)[0]
             try:
-                menu = cls._create_green(driver, torch, device, granule)
+                menu = cls._create_green(driver, torch, device, granule, order)
             except _Unsupported as e:
                 return cls.fallback(device, granule, num_sms, reason=str(e))
             torch.cuda.synchronize()
@@ -89,7 +92,8 @@ class PartitionMenu:
         return menu
 
     @classmethod
-    def _create_green(cls, driver, torch, device: int, granule: int) -> PartitionMenu:
+    def _create_green(cls, driver, torch, device: int, granule: int, order: tuple[int, ...] | None = None
+                      ) -> PartitionMenu:
         check = _checker(driver)
         (err,) = driver.cuInit(0)[:1]
         check(err, "cuInit")
@@ -108,6 +112,10 @@ class PartitionMenu:
             raise GreenContextError(f"cuDevSmResourceSplitByCount gave {n} groups of "
                                     f"{[int(g.sm.smCount) for g in groups]} SMs and {remainder} left over "
                                     f"on a {num_sms}-SM device")
+        if order is not None:
+            if sorted(order) != list(range(n)):
+                raise GreenContextError(f"group order {order} is not a permutation of the {n} groups")
+            groups = [groups[i] for i in order]
         full = Side(torch.cuda.Stream(device), num_sms, "all")
         naive = (Side(torch.cuda.Stream(device), num_sms, "naive-a"),
                  Side(torch.cuda.Stream(device), num_sms, "naive-b"))
