@@ -270,7 +270,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 10
+    assert data["version"] == 11
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -282,8 +282,9 @@ def test_other_model_versions(real_model):
     FittedModel({**data, "version": 7})  # version 7: no small_gemm_flops, no co_gemm_half (the shipped files')
     FittedModel({**data, "version": 8})  # version 8: no co_split_factor
     FittedModel({**data, "version": 9})  # version 9: no longest_extra
-    with pytest.raises(ConfigError, match=r"version 11, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10: refit"):
-        FittedModel({**data, "version": 11})
+    FittedModel({**data, "version": 10})  # version 10: no attn_extra
+    with pytest.raises(ConfigError, match=r"version 12, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11: refit"):
+        FittedModel({**data, "version": 12})
     with pytest.raises(ConfigError, match="co_split_factor"):
         FittedModel({**data, "co_split_factor": {"36": 0.0}})
 
@@ -1066,3 +1067,22 @@ def test_decode_passes_spread_reads_the_first_step_and_checks_solo_decode_rows(t
     assert spread["spread_mean"] == pytest.approx(0.06)
     # step_s is the same in both passes: no spread
     assert pass_spread(folder / "decode_passes.csv", load_profile(folder).rows)["spread_mean"] == 0.0
+
+
+def test_attn_extra_is_a_single_chunks_longest_prefill_program_beyond_its_even_share():
+    """Format version 11's ``attn_extra``, by hand: 256 new tokens after an 8,192-token prefix on Llama-3.1-8B (32 q
+    heads over 8 KV heads: 4 a KV head, 128 / 4 = 32 new tokens a program, so 8 tiles x 8 KV heads = 64 programs).
+    Query-key pairs 256 x 8192 + 256 x 257 / 2 = 2,130,048; all programs read 8 x 2130048 / 32 = 532,512 keys, over 36
+    SMs x 1 slot 14,792 each (more than the longest program's 8,448 keys: 0), over 116 SMs 4,590.6 each (8448 -
+    532512 / 116 = 3857.4 beyond it). Per layer in thousands of keys, times 32 layers. A launch of two chunks, or a
+    mixed one, has none."""
+    q = Quantities(LLAMA, 132, dict(DEFAULT_KERNELS))
+    pairs = 256 * 8192 + 256 * 257 / 2
+    w = Work(32, 256, 1, pairs, 8192 + 256, 1, True, 8192 + 256)
+    assert q.eager(w, 36)["attn_extra"] == 0.0
+    assert q.eager(w, 116)["attn_extra"] == pytest.approx(32 * (8448 - 8 * pairs / 32 / 116) * 1e-3, rel=1e-12)
+    assert q.eager(w, 116)["attn_extra"] == pytest.approx(32 * 3.85741, rel=1e-5)
+    got = q.eager(w, np.array([36, 116]))["attn_extra"]
+    assert got[0] == 0.0 and got[1] == q.eager(w, 116)["attn_extra"]
+    two = Work(32, 512, 2, 2 * pairs, 2 * (8192 + 256), 2, True, 8192 + 256)
+    assert q.eager(two, 116)["attn_extra"] == 0.0

@@ -101,7 +101,8 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
         eager = [(q, b) for q in ("weights", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens")
                  for b in [*hs, "full"]]
         eager += [("attn", b) for b in [*ks, "full"]]
-        eager += [("gemm_waves", "one"), ("samples", "one"), ("layers", "one"), ("launch", "one")]
+        eager += [("gemm_waves", "one"), ("samples", "one"), ("layers", "one"), ("launch", "one"),
+                  ("attn_extra", "one")]
         # GEMM FLOPs in rounds of a grid sized for the whole GPU (fitted.py ``grid``): interior loso of the shipped
         # H200 profiles, prefill 3.55 -> 3.19 % (Llama-3.1-8B), 4.27 -> 3.72 % (Qwen3-8B); bench/fit_residuals.py
         eager.append(("gemm_flops", "grid"))
@@ -114,7 +115,7 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
                  for b in ks]
         eager += [("eager_tokens", b) for b in ks]
         eager += [("gemm_flops", "full"), ("weights", "part"), ("tokens", "part"), ("gemm_waves", "one"),
-                  ("samples", "one"), ("layers", "one"), ("launch", "one")]
+                  ("samples", "one"), ("layers", "one"), ("launch", "one"), ("attn_extra", "one")]
     # the co-runner's tensor cores: its measured GEMM share where there is a table, else whether it has GEMMs at all.
     # With a table (format version 8) the share counts the co-runner's SMs up to half the GPU (``co_gemm_half``) and no
     # term grows linearly in its SMs (``co_sm_share``, ``co_gemm_co_sm`` left out): the slowdown is flat past ~56 of

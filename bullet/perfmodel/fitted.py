@@ -94,14 +94,16 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 10  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 11  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
 # slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
 # slowdown beside a tensor-core co-runner (``co_tc_co_sm``); 8: the FLOPs of the GEMMs with few output tiles
 # (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); 9: a co-run
 # prefill's factor per prefill partition size (``co_split_factor``); 10: the decode families' ``longest_extra`` (the
-# kernels' ``attn_slots_per_sm``); older files read unchanged
-READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# kernels' ``attn_slots_per_sm``); 11: the eager family's ``attn_extra`` (a single chunk's longest prefill-attention
+# program beyond its even share; the kernels' ``prefill_block_m``, ``prefill_attn_slots_per_sm``); older files read
+# unchanged
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -117,6 +119,15 @@ DEFAULT_KERNELS = {
     # with it at 1: 2.98 / 2.42, 2: 2.78 / 2.29, 4: 2.72 / 2.22, 8: 2.82 / 2.29 (bench/RESULTS.md). (Its shared
     # memory, three stages of a 64-token K and V tile, leaves room for two; the share is a fitted scale.)
     "attn_slots_per_sm": 4,
+    # the prefill-attention kernel's rows a program (bullet/gpu/kernels/prefill_attention.py: BLOCK_Q new tokens x
+    # the q heads of one KV head, padded to a power of two) and its programs an SM runs at once, for ``attn_extra``:
+    # its shared memory (a 128-row Q tile and three stages of 64-token K and V tiles, 128-wide, bf16: ~130 KB) fits
+    # one. Held-out MAPE over 10 random splits, prefill / mixed / co-run prefill / whole launches, Llama-3.1-8B on
+    # the H200: without the term 2.73 / 3.09 / 2.70 / 2.48 %, slots 0.5: 2.82 / 3.01 / 2.70 / 2.50, 1: 2.54 / 2.74 /
+    # 2.64 / 2.39, 2: 2.55 / 2.76 / 2.60 / 2.39, 4: 2.61 / 2.79 / 2.59 / 2.41; Qwen3-8B without 3.33 / 3.38 / 3.24 /
+    # 3.09, 1: 3.19 / 3.55 / 3.19 / 3.05 (bench/RESULTS.md)
+    "prefill_block_m": 128,
+    "prefill_attn_slots_per_sm": 1,
     "tile_m": 128,
     "tile_n": 256,
 }
@@ -136,7 +147,13 @@ EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
 # what Quantities.eager computes, in its order (eager_tokens besides EAGER_Q: a later term)
 EAGER_KEYS = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens",
-              "seq_layers", "samples", "layers", "launch", "small_gemm_flops")
+              "seq_layers", "samples", "layers", "launch", "small_gemm_flops", "attn_extra")
+# ``attn_extra`` (format version 11): the prefill-attention kernel runs one program per (tile of new tokens, KV
+# head), each over its tile's keys (the cached prefix and the causal part), so a short chunk after a long prefix is a
+# few long programs: its time is about the longest program's once the programs' even share over the SMs' slots drops
+# below it, and plain FLOPs / n keeps falling with SMs where the kernel does not. The term is the longest program's
+# keys beyond that share, for a launch of one chunk (a mixed launch's decode rows run in another kernel, and a
+# launch of several prompts orders its tiles longest first).
 # ``small_gemm_flops`` (format version 8): the FLOPs of the layer GEMMs that have fewer output tiles (tile_m x tile_n)
 # than SMALL_GEMM_TILES x the GPU's SMs. The ``grid`` rounds (``ceil(N / n)``) are a property of kernels whose grid
 # is sized for the device, which cuBLAS launches for GEMMs with few tiles (split-K, stream-K); a GEMM of thousands
@@ -281,6 +298,8 @@ class Quantities:
         self.kv_bytes = float(2 * kv * dt)  # K and V of one token, one layer
         self.attn_flops_per_pair = 4.0 * m.head_dim * m.heads_per_gpu
         self.kv_heads = m.kv_heads_per_gpu
+        g = max(1, m.heads_per_gpu // max(1, m.kv_heads_per_gpu))  # q heads a KV head serves, padded to a power of 2
+        self.group_pow2 = 1 << (g - 1).bit_length()
         tm, tn = kernels["tile_m"], kernels["tile_n"]
         self.tile_m = tm
         self.col_tiles = [float(-(-a // tn)) for a, _ in self.gemms]
@@ -412,7 +431,23 @@ class Quantities:
                 L * t * p * self.attn_flops_per_pair * 1e-12 / self.N, L * p * self.kv_bytes * 1e-9,
                 L * w.kv_read * self.kv_bytes * 1e-9, L * t * 1e-6, 0.0 if graphed else L * t * 1e-6,
                 L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3,
-                L * t * self.small_gemm_flops(w.tokens) * 1e-12 / self.N)
+                L * t * self.small_gemm_flops(w.tokens) * 1e-12 / self.N,
+                0.0 if w.seqs != 1 else L * self.attn_extra(w, n) * 1e-3)
+
+    def attn_extra(self, w: Work, n) -> Any:
+        """Keys of a one-chunk launch's longest prefill-attention program (its whole context, ``max_kv``) beyond the
+        programs' even share over ``n x prefill_attn_slots_per_sm`` slots: ``kv_heads x pairs / block_q`` keys in
+        all, ``block_q`` new tokens a program; 0 for a launch of several chunks or of one token."""
+        if w.seqs != 1 or w.tokens < 2:
+            return 0.0 * n
+        k = self.k
+        bq = max(1, k.get("prefill_block_m", 128) // self.group_pow2)
+        total = self.kv_heads * w.attn_pairs / bq
+        share = total / (n * float(k.get("prefill_attn_slots_per_sm", 1)))
+        longest = float(w.max_kv or w.kv_read)
+        if isinstance(share, np.ndarray):
+            return np.maximum(0.0, longest - share)
+        return longest - share if longest > share else 0.0
 
     def host(self, w: Work) -> dict:
         return dict(zip(HOST_Q, self.host_values(w)))
