@@ -460,6 +460,7 @@ def test_main_builds_the_invoked_command_alone(monkeypatch, capsys):
 
     from bullet import cli
 
+    monkeypatch.setattr(cli.gc, "freeze", lambda: None)  # (main() freezes the heap of the process it ends)
     built = []
     real = typer.main.get_command_from_info
     monkeypatch.setattr(typer.main, "get_command_from_info",
