@@ -19,13 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared/traces/raw/AzureLLMInferenceTrace_conv.csv"
-# the CLI in-process, with rich's refresh thread off (its wake-ups would be counted)
+# the CLI in-process as the `bullet` script runs it, with rich's refresh thread off (its wake-ups would be counted)
 RUN = """import sys, rich.progress
 _init = rich.progress.Progress.__init__
 rich.progress.Progress.__init__ = lambda self, *a, **k: _init(self, *a, **{**k, "auto_refresh": False})
-from bullet.cli import app
+sys.argv = ["bullet", "simulate", "--json", *sys.argv[1:]]
+from bullet.cli import main  # (the console script's entry: it builds the one command and freezes the heap)
 try:
-    app(["simulate", "--json", *sys.argv[1:]], standalone_mode=False)
+    main()
 except SystemExit:
     pass
 """

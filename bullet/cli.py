@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import csv
+import enum
+import gc
 import hashlib
 import importlib
 import io
@@ -21,6 +24,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
+from typer.main import get_command_name
 
 from . import __version__
 from .cli_options import (
@@ -131,12 +135,69 @@ def expand_goodput(args: list[str]) -> list[str]:
     return out
 
 
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+)?")
+_TYPER = object()  # plain_value's "not plain: typer's own coercion"
+
+
+def plain_value(value, param, ctx):
+    """``value`` as typer's pydantic coercion would return it, where that needs no work (None, a value of the
+    option's own type within its bounds, an int or decimal written in digits, a choice's exact name), else
+    ``_TYPER``."""
+    desc = param.type_descriptor
+    if value is None:
+        return () if param.multiple or param.nargs == -1 else None
+    kind, info = desc.annotation, desc.parameter_info
+    if param.multiple or param.nargs != 1 or info.parser is not None or desc.file_annotation is not None:
+        return _TYPER
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        if type(value) is kind:
+            return value
+        if type(value) is str and info.case_sensitive and ctx.token_normalize_func is None:
+            return next((c for c in kind if str(c.value) == value), _TYPER)
+        return _TYPER
+    if type(value) is str:
+        if kind is str:
+            return value
+        if kind not in (int, float) or len(value) > 18 or not _DECIMAL.fullmatch(value):
+            return _TYPER
+        if kind is int and not value.isdigit():
+            return _TYPER
+        value = kind(value)
+    if type(value) is not kind or kind not in (int, float) or not math.isfinite(value):
+        return _TYPER
+    inside = (info.min is None or value >= info.min) and (info.max is None or value <= info.max)
+    return value if inside else _TYPER
+
+
+class PlainValues:
+    """Coerces an option's value as typer 0.2x does, without building its pydantic TypeAdapter where
+    :func:`plain_value` can say the result: typer coerces every value, defaults included, through an adapter
+    it builds on first use, and importing pydantic and building a command's ~35 adapters was about a fifth of
+    a ``bullet simulate`` run's start-up. Anything else, errors included, goes to typer's coercion, built
+    then."""
+
+    def coerce(self, value, param, ctx):
+        plain = plain_value(value, param, ctx)
+        if plain is not _TYPER:
+            return plain
+        param._runtime_param = None  # typer's own, built now
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+
+
+def plain_values(command, ctx) -> None:
+    """:class:`PlainValues` for the options of ``command`` whose coercion typer (0.2x) has not built yet."""
+    for param in command.get_params(ctx):
+        if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
+            param._runtime_param = PlainValues()
+
+
 class BulletGroup(TyperGroup):
     """The ``bullet`` command group: reads vLLM's multi-value ``--goodput``, and reports a bad flag of a
     command (unknown option, value of the wrong type) in one red line with exit code 2, as every other bad
     input, instead of click's usage box."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        plain_values(self, ctx)
         return super().parse_args(ctx, expand_goodput(args))
 
     def invoke(self, ctx):
@@ -149,6 +210,10 @@ class BulletGroup(TyperGroup):
 class PlainHelpCommand(TyperCommand):
     """A command whose --help is click's plain layout, its options grouped under their panel names: at 80
     columns every flag name stays whole (rich's table truncates long ones)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        plain_values(self, ctx)
+        return super().parse_args(ctx, args)
 
     def format_help(self, ctx, formatter) -> None:
         super(TyperCommand, self).format_help(ctx, formatter)  # click's own, not Typer's rich one
@@ -829,7 +894,28 @@ _register_bench(app, PlainHelpCommand)
 
 
 def main() -> None:
-    app()
+    """The ``bullet`` command. ``bullet COMMAND ...`` builds COMMAND's click command alone, not the whole group's:
+    typer builds every option of every command from its annotations, which cost about a sixth of a short
+    command's start-up. Anything else (no command, ``--help``, ``--version``, a mistyped name) gets the group.
+
+    The collector leaves alone what is alive when the command starts (modules, functions: never garbage) and,
+    when the process ends with the command, what it made: a ``bullet simulate`` of the Azure conversation trace
+    spent ~2 % of its instructions in collections scanning the imports, the trace's requests and the results,
+    most of it in the one at exit (bench/RESULTS.md, seventeenth speed pass)."""
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    commands = [c for c in app.registered_commands
+                if (c.name or get_command_name(c.callback.__name__)) == name]
+    groups = [g for g in app.registered_groups if g.name == name]
+    if commands or groups:
+        entry = copy.copy(app)  # the same app (settings, callback, group class) with that one command
+        entry.registered_commands, entry.registered_groups = commands, groups
+    else:
+        entry = app
+    gc.freeze()
+    try:
+        entry()
+    finally:
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -420,3 +420,64 @@ def test_fuse_window_plans_as_a_live_server_and_is_recorded():
     for bad in ("0", "-1", "nan"):
         res = run("--fuse-window-ms", bad)
         assert res.exit_code == 2 and "--fuse-window-ms" in res.output and "Traceback" not in res.output
+
+
+def test_plain_values_are_typer_coercions():
+    """Where ``plain_value`` answers without typer's pydantic coercion, it answers what that coercion does, for
+    every option of every command and values of each kind (defaults, digits, decimals, choices, bad ones);
+    and ``main()`` on a command builds that command alone, with the whole group's behaviour."""
+    import typer
+
+    from bullet.cli import _TYPER, plain_value
+
+    cli = typer.main.get_command(app)
+    commands = [c for c in cli.commands.values() if not hasattr(c, "commands")]
+    commands += [c for g in cli.commands.values() for c in getattr(g, "commands", {}).values()]
+    values = [None, "", "0", "1", "007", "12", "1_0", "-3", "2.5", "0.25", "7.", ".5", "1e3", "inf", "nan", "x",
+              "static-split", "bullet", "poisson", "gamma", "paper-sharegpt", "123456789012345678901", 0, 3, -1,
+              0.5, 1.0, True, False, math.inf, math.nan]
+    checked = 0
+    for command in commands:
+        ctx = typer.Context(command)
+        for param in command.get_params(ctx):
+            if not hasattr(param, "type_descriptor"):
+                continue
+            for value in [*values, param.default, *getattr(param.type_descriptor.annotation, "__members__", {})]:
+                got = plain_value(value, param, ctx)
+                if got is _TYPER:
+                    continue
+                param._runtime_param = None
+                want = param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+                assert type(got) is type(want) and (got == want), (command.name, param.name, value, got, want)
+                checked += 1
+    assert checked > 1000
+
+
+def test_main_builds_the_invoked_command_alone(monkeypatch, capsys):
+    """``bullet COMMAND ...`` builds COMMAND's click command only; its help, errors and exit codes are those of
+    the whole group, which ``bullet`` alone, a mistyped command and ``--help`` still get."""
+    import typer
+
+    from bullet import cli
+
+    monkeypatch.setattr(cli.gc, "freeze", lambda: None)  # (main() freezes the heap of the process it ends)
+    built = []
+    real = typer.main.get_command_from_info
+    monkeypatch.setattr(typer.main, "get_command_from_info",
+                        lambda command_info, **kw: built.append(command_info.callback.__name__)
+                        or real(command_info=command_info, **kw))
+
+    def output(entry) -> tuple:
+        built.clear()
+        with pytest.raises(SystemExit) as exit_:
+            entry()
+        out = capsys.readouterr()
+        return exit_.value.code or 0, out.out, out.err
+
+    for args, names in ((["simulate", "--help"], ["simulate"]), (["simulate", "--bogus"], ["simulate"]),
+                        (["simulate", "--num-requests", "x"], ["simulate"]), (["fit", "--help"], ["fit"]),
+                        (["--help"], None), (["simulat"], None), (["trace", "--help"], ["stats", "generate"])):
+        monkeypatch.setattr(sys, "argv", ["bullet", *args])
+        got = output(cli.main)
+        assert sorted(built) == sorted(names) if names else len(built) > 5, args
+        assert got == output(app), args

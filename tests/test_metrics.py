@@ -100,6 +100,23 @@ def test_weighted_stats_are_numpys_percentiles_to_the_bit():
     assert np.isnan(weighted_stats(np.zeros(0), np.zeros(0, np.int64))["p50"])
 
 
+def test_stats_are_numpys_percentiles_to_the_bit():
+    from bullet.metrics import _stats
+
+    rng = np.random.default_rng(1)
+    ps = (0, 12.5, 50, 90, 99, 99.9, 100)
+    for _ in range(300):
+        k = int(rng.integers(1, 400))
+        x = np.round(rng.exponential(0.05, k), int(rng.integers(2, 17)))  # (ties, too)
+        x[rng.random(k) < 0.05] = np.nan
+        got, kept = _stats(x, ps), x[~np.isnan(x)]
+        if not kept.size:
+            assert np.isnan(got["p50"])
+            continue
+        assert [got[f"p{p:g}"] for p in ps] == np.percentile(kept, ps).tolist()
+        assert got["mean"] == float(kept.mean())
+
+
 def test_weighted_stats_mean_sums_in_the_stable_float_order():
     """The sort runs on the floats' bit patterns where no sign bit is set: the same permutation, so the same
     summation order and mean to the bit; with a negative value or -0.0 it sorts the floats."""
