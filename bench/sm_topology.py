@@ -97,24 +97,9 @@ def gpc_map(launches: int, blocks: int) -> list[list[int]]:
 
 
 def smids(stream, blocks: int = 4096) -> set[int]:
-    import torch
-    import triton
-    import triton.language as tl
+    from bullet.gpu.partitions import sm_ids
 
-    @triton.jit
-    def smid_kernel(out_ptr, spin):
-        pid = tl.program_id(0)
-        acc = tl.zeros((1,), tl.float32)
-        for i in range(spin):
-            acc += i
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc * 0).to(tl.int32))
-
-    out = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
-    with torch.cuda.stream(stream):
-        smid_kernel[(blocks,)](out, 2000)
-    stream.synchronize()
-    return set(out.tolist())
+    return sm_ids(stream, blocks)
 
 
 def main() -> None:

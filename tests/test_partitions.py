@@ -120,25 +120,10 @@ def test_menu_sizes_read_back(menu):
 
 
 def _smids(stream, blocks: int = 2048):
-    """The SM each of ``blocks`` thread blocks ran on, read from %smid in a Triton kernel on ``stream``."""
-    import torch
-    import triton
-    import triton.language as tl
+    """The SM each of ``blocks`` thread blocks ran on (``%smid``)."""
+    from bullet.gpu.partitions import sm_ids
 
-    @triton.jit
-    def smid_kernel(out_ptr, spin):
-        pid = tl.program_id(0)
-        acc = tl.zeros((1,), tl.float32)
-        for i in range(spin):  # keep the block resident a little, so blocks spread over every SM
-            acc += i
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc * 0).to(tl.int32))
-
-    out = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
-    with torch.cuda.stream(stream):
-        smid_kernel[(blocks,)](out, 2000)
-    stream.synchronize()
-    return set(out.tolist())
+    return sm_ids(stream, blocks)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ is ``None``.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,3 +248,32 @@ def _checker(driver):
         if err != driver.CUresult.CUDA_SUCCESS:
             raise GreenContextError(f"{call} failed: {_name(driver, err)}")
     return check
+
+
+@functools.cache
+def _smid_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def smid_kernel(out_ptr, spin):
+        pid = tl.program_id(0)
+        acc = tl.zeros((1,), tl.float32)
+        for i in range(spin):  # keep the block resident a little, so blocks spread over every SM
+            acc += i
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + pid + tl.arange(0, 1), sm + (acc * 0).to(tl.int32))
+
+    return smid_kernel
+
+
+def sm_ids(stream, blocks: int = 2048) -> set[int]:
+    """The SMs that ``blocks`` thread blocks launched on ``stream`` ran on, read from ``%smid`` in a Triton kernel
+    (a diagnostic: the partition tests and bench/sm_topology.py)."""
+    import torch
+
+    out = torch.full((blocks,), -1, dtype=torch.int32, device="cuda")
+    with torch.cuda.stream(stream):
+        _smid_kernel()[(blocks,)](out, 2000)
+    stream.synchronize()
+    return set(out.tolist())
