@@ -619,6 +619,10 @@ def profile(
     corun_min: Annotated[int, typer.Option(min=0, help="Add seeded co-run pairs on each decode size the "
                                                        "co-runs use until it has this many (0: none added).")]
     = 0,
+    corun_all_splits: Annotated[bool, typer.Option(
+        help="With --corun-min N: add the N pairs on every decode size of the menu, not only those the grid's "
+             "co-runs use, so that every prefill size has co-runs beside its complement (the quick H200 grid has "
+             "none at prefill 20 / decode 112 and 108 / 24).")] = False,
     corun_sweep: Annotated[bool, typer.Option(
         help="Add the co-runner sweeps: at four splits (prefill 36/44/68/92 SMs on the H200, decode the rest), "
              "one 2,048-token prompt beside 1-128 decode rows and 8 rows beside prompts of 256-8,192 tokens "
@@ -684,7 +688,7 @@ def profile(
 
             measured, skipped = run_profile(ex, out, weights, quick, reps, on_point, prefill_graphs,
                                             redo_coruns, sizes, twins, corun_min, corun_passes,  # type: ignore[arg-type]
-                                            corun_sweep, decode_passes)
+                                            corun_sweep, decode_passes, corun_all_splits)
     except ValueError as e:
         raise fail(str(e)) from None
     except OSError as e:

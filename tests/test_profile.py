@@ -20,6 +20,7 @@ from bullet.gpu.profile import (
     DECODE_PASSES_FILE,
     PASSES_FILE,
     Profiler,
+    _grid_options,
     grid,
     read_gaps,
     read_passes,
@@ -233,6 +234,26 @@ def test_the_quick_grid_with_every_size_twins_and_more_co_runs():
     assert len(co) == 74 + 2 * sum(max(0, 4 - n) for n in Counter(
         p.co_sms for p in grid(spec, menu, True, kv_tokens=KV_H200) if p.co is not None and p.lane == "prefill"
     ).values())
+
+
+def test_corun_all_splits_fills_every_decode_size_and_keeps_the_grid():
+    """--corun-min 3 --corun-all-splits on the H200: 3 pairs at least beside every decode size of the menu (8 .. 112),
+    each on the largest prefill size beside it, so prefill 20 and 108 (none in the quick grid) get co-runs; the grid
+    with --corun-min 3 alone keeps its ids (a resume measures only the new splits' pairs)."""
+    gpu, spec = GPUS["h200"], MODELS["llama-3.1-8b"]
+    menu = (gpu.prefill_sizes, gpu.decode_sizes)
+    base = grid(spec, menu, True, kv_tokens=KV_H200, corun_min=3)
+    pts = grid(spec, menu, True, kv_tokens=KV_H200, corun_min=3, corun_splits=True)
+    assert {p.id for p in base} < {p.id for p in pts}
+    pre = [p for p in pts if p.co is not None and p.lane == "prefill"]
+    pairs = Counter(p.co_sms for p in pre)
+    assert set(pairs) == set(gpu.decode_sizes[:-1]) and min(pairs.values()) >= 3
+    assert {p.sms for p in pre} >= {20, 108}
+    for p in pre:
+        assert p.sms + p.co_sms <= gpu.num_sms
+    assert Counter(p.sms for p in pts if p.co is not None and p.lane == "decode") == pairs  # both sides
+    assert _grid_options({"corun_splits": True}, None, False, 0) == {"sizes": None, "twins": False, "corun_min": 0,
+                                                                    "corun_splits": True}
 
 
 def test_the_corun_sweep_adds_its_pairs_to_the_shipped_grid():

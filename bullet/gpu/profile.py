@@ -113,14 +113,15 @@ def _runs(ctx: tuple[int, ...]) -> str:
 
 def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick: bool, cpu: bool = False,
          kv_tokens: int | None = None, sizes: Sizes | None = None, twins: bool = False,
-         corun_min: int = 0, corun_sweep: bool = False) -> list[Point]:
+         corun_min: int = 0, corun_sweep: bool = False, corun_splits: bool = False) -> list[Point]:
     """Points to measure on a menu of ``menu_sizes`` (prefill sizes, decode sizes; each ending with the whole GPU).
     The full grid covers every partition size of the menu on both lanes; ``quick`` every other one. ``sizes``
     overrides which sizes the solo lines cover (``"all"``: every menu size, with the quick grid's lengths);
     everything else (co-run splits, random launches) stays the grid's own, so a grid with more sizes holds the
     other's points, ids unchanged. ``twins``: each co-run shape also measured alone on its own partition.
     ``corun_min``: seeded co-run pairs added on each decode size the co-runs use until it has that many
-    (:func:`fill_coruns`). ``corun_sweep``: the co-runner sweeps of :func:`swept_coruns`. Solo points come first (co-runs size their decode stretch from them). Decode
+    (:func:`fill_coruns`); ``corun_splits``: on every decode size of the menu, so that every prefill size has
+    co-runs beside the decode size that complements it. ``corun_sweep``: the co-runner sweeps of :func:`swept_coruns`. Solo points come first (co-runs size their decode stretch from them). Decode
     batches whose KV would not fit ``kv_tokens`` are left out."""
     num_sms = menu_sizes[0][-1]
     if cpu:  # the tiny model on the host: the code paths, not the numbers
@@ -207,7 +208,8 @@ def grid(spec: ModelSpec, menu_sizes: tuple[Sequence[int], Sequence[int]], quick
                 dec, pre = Shape(decode=(2048,) * bs, steps=steps), Shape(((n, 0),) * k)
                 pts += [Point(pre, "prefill", p, dec, num_sms - p), Point(dec, "decode", num_sms - p, pre, p)]
     if corun_min and not cpu:
-        pts += fill_coruns(spec, pts, menu_sizes[0][:-1], num_sms, corun_min, kv_tokens)
+        pts += fill_coruns(spec, pts, menu_sizes[0][:-1], num_sms, corun_min, kv_tokens,
+                           menu_sizes[1][:-1] if corun_splits else ())
     if corun_sweep and not cpu:
         pts += swept_coruns(menu_sizes[0][:-1], menu_sizes[1][:-1], num_sms)
     co = [pt for pt in pts if pt.co is not None]
@@ -252,16 +254,16 @@ FILL_KV_TOKENS = 500_000  # (Llama-3.1-8B on an H200 at 0.85 of its memory: abou
 
 
 def fill_coruns(spec: ModelSpec, pts: Sequence[Point], pre_sizes: Sequence[int], num_sms: int, minimum: int,
-                kv_tokens: int | None) -> list[Point]:
+                kv_tokens: int | None, more: Sequence[int] = ()) -> list[Point]:
     """Seeded co-run pairs (:func:`sampled_coruns`, seed ``1000 + d``) on each decode size ``d`` that the
-    co-runs of ``pts`` use, until each has ``minimum`` pairs; each pair is measured from both sides, and the
+    co-runs of ``pts`` use, and on the decode sizes ``more``, until each has ``minimum`` pairs; each pair is measured from both sides, and the
     prefill side sits on the largest prefill size beside ``d``, so the prefill sizes the co-runs use get as
     many. The draws fit a KV pool of at most :data:`FILL_KV_TOKENS`, so that cards whose pools differ a little
     (the free memory after start-up) draw the same points and resume each other's profiles."""
     kv_tokens = min(kv_tokens or FILL_KV_TOKENS, FILL_KV_TOKENS)
     have = Counter(pt.co_sms for pt in pts if pt.co is not None and pt.lane == "prefill")
     ids, out = {pt.id for pt in pts}, []
-    for d in sorted(have):
+    for d in sorted(set(have) | set(more)):
         need, draws = minimum - have[d], minimum
         while need > 0:  # the draws of a seed are a prefix of a longer run of it: ask for more until enough
             drawn = sampled_coruns(spec, pre_sizes, [d], num_sms, draws, kv_tokens, seed=1000 + d)
@@ -829,7 +831,8 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
                 on_point: Callable[[int, int, str], None] | None = None,
                 prefill_graphs: bool = True, redo_coruns: bool = False, sizes: Sizes | None = None,
                 twins: bool = False, corun_min: int = 0, corun_passes: int | None = None,
-                corun_sweep: bool = False, decode_passes: int | None = None) -> tuple[int, int]:
+                corun_sweep: bool = False, decode_passes: int | None = None,
+                corun_splits: bool = False) -> tuple[int, int]:
     """Measure every point of the grid not already in ``out/points.csv``; returns (measurements, points
     skipped). ``on_point(done, total, id)`` reports progress. ``prefill_graphs``: prefill and mixed launches
     that a prefill graph can serve replay one (captured before their first run), as in serving; the limits go
@@ -858,7 +861,7 @@ def run_profile(executor, out: Path, weights: str, quick: bool, reps: int = 3,
     passes_path = out / PASSES_FILE
     if redo_coruns and passes_path.exists():
         passes_path.unlink()
-    opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min, corun_sweep)
+    opts = _grid_options(old_meta.get("grid_options", {}), sizes, twins, corun_min, corun_sweep, corun_splits)
     passes = corun_passes or int(old_meta.get("corun_passes", 1))
     dpasses = decode_passes or int(old_meta.get("decode_passes", 1))
     pts = grid(spec, (tuple(menu.prefill), tuple(menu.decode)), quick, cpu,
@@ -969,16 +972,19 @@ def _put_medians(points: Path, passes: dict[str, list[dict]]) -> None:
     _write_rows(points, rows + list(medians.values()))
 
 
-def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int, corun_sweep: bool = False) -> dict:
+def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int, corun_sweep: bool = False,
+                  corun_splits: bool = False) -> dict:
     """This run's grid options joined with those a resumed profile was measured with (points are never
-    dropped: the grid only grows). ``corun_sweep`` is recorded only once it is on (older profiles' options
-    stay as they were written)."""
+    dropped: the grid only grows). ``corun_sweep`` and ``corun_splits`` are recorded only once they are on (older
+    profiles' options stay as they were written)."""
     if old.get("sizes") == "all":
         sizes = "all"
     opts = {"sizes": sizes or old.get("sizes"), "twins": twins or bool(old.get("twins")),
             "corun_min": max(corun_min, int(old.get("corun_min", 0)))}
     if corun_sweep or old.get("corun_sweep"):
         opts["corun_sweep"] = True
+    if corun_splits or old.get("corun_splits"):
+        opts["corun_splits"] = True
     return opts
 
 
