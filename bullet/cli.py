@@ -657,7 +657,7 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .gpu.executor import GpuExecutor
-    from .gpu.profile import run_profile
+    from .gpu.profile import resumed_grid_options, run_profile
 
     if sizes not in (None, "all", "alternate"):
         raise fail(f"--sizes: {sizes!r} is not 'all' or 'alternate'")
@@ -669,6 +669,10 @@ def profile(
     except (RuntimeError, AssertionError) as e:
         raise fail(f"--device {device}: {e}") from None
     out = out or Path("profiles") / gpu_name / spec.name
+    try:  # (before the executor: a bad combination costs no start-up)
+        resumed_grid_options(out, sizes, twins, corun_min, corun_sweep, corun_all_splits)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise fail(str(e)) from None
     console = Console()
     console.print(f"profiling {spec.name} ({weights} weights) on {gpu_name}, {'quick' if quick else 'full'} grid "
                   f"-> {out}")

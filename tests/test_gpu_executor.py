@@ -710,3 +710,20 @@ def test_shape_chunks_by_hand():
                                                                                (102, 5, 30, True)]
     assert [len(c.block_ids) for c in chunks] == [2, 1, 3] and kv.num_free == 64 - 6
     assert chunks[2].token_ids == (1,) * 30
+
+
+def test_a_model_too_big_for_the_hosts_memory_is_refused_before_any_allocation():
+    """On the CPU the executor keeps float32 weights: Llama-3.1-8B's 8,030,261,248 parameters (bullet.config's
+    shapes: 32 layers x 218,112,000 + 2 x 128,256 x 4,096 embeddings and LM head + 4,096) are 32.1 GB, over a
+    24 GB host's ~20 GB available, so it says so (model, GB, what to do) instead of being killed by the kernel's
+    OOM killer; the tiny model passes."""
+    from bullet.gpu.executor import check_host_memory
+
+    llama = MODELS["llama-3.1-8b"]
+    params = 32 * 218_112_000 + 2 * 128_256 * 4_096 + 4_096
+    assert llama.weight_bytes == 2 * params
+    with pytest.raises(ValueError, match=r"llama-3\.1-8b's weights need 32\.1 GB in float32 on the CPU, this host "
+                                         r"has 20\.0 GB available: use a smaller model \(--model tiny-llama\)"):
+        check_host_memory(llama, torch.float32, available=20_000_000_000)
+    check_host_memory(llama, torch.float32, available=33_000_000_000)
+    check_host_memory(SPEC, torch.float32, available=1 << 30)

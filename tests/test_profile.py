@@ -236,7 +236,7 @@ def test_the_quick_grid_with_every_size_twins_and_more_co_runs():
     ).values())
 
 
-def test_corun_all_splits_fills_every_decode_size_and_keeps_the_grid():
+def test_corun_all_splits_fills_every_decode_size_and_keeps_the_grid(tmp_path):
     """--corun-min 3 --corun-all-splits on the H200: 3 pairs at least beside every decode size of the menu (8 .. 112),
     each on the largest prefill size beside it, so prefill 20 and 108 (none in the quick grid) get co-runs; the grid
     with --corun-min 3 alone keeps its ids (a resume measures only the new splits' pairs)."""
@@ -252,8 +252,13 @@ def test_corun_all_splits_fills_every_decode_size_and_keeps_the_grid():
     for p in pre:
         assert p.sms + p.co_sms <= gpu.num_sms
     assert Counter(p.sms for p in pts if p.co is not None and p.lane == "decode") == pairs  # both sides
-    assert _grid_options({"corun_splits": True}, None, False, 0) == {"sizes": None, "twins": False, "corun_min": 0,
-                                                                    "corun_splits": True}
+    assert _grid_options({"corun_splits": True, "corun_min": 3}, None, False, 0) == {
+        "sizes": None, "twins": False, "corun_min": 3, "corun_splits": True}  # a resume keeps both
+    # without --corun-min (here or in the profile): one line, exit code 2, before the executor starts (an 8B model
+    # on the CPU would not even fit: the default model is left on purpose) and nothing written
+    res = CliRunner().invoke(app, ["profile", "--device", "cpu", "--out", str(tmp_path / "p"), "--corun-all-splits"])
+    assert res.exit_code == 2 and "--corun-min N" in res.output, res.output
+    assert not (tmp_path / "p").exists()
 
 
 def test_the_corun_sweep_adds_its_pairs_to_the_shipped_grid():

@@ -130,6 +130,29 @@ class _Held:
     event: object
 
 
+def host_memory_available() -> int | None:
+    """Bytes of memory available to a new allocation on this host (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(spec: ModelSpec, dtype: torch.dtype, available: int | None = None) -> None:
+    """Refuse, before any allocation, a model whose weights in ``dtype`` would not fit the host's available memory
+    (an 8B model in float32 on a 24 GiB machine was killed by the kernel's OOM killer, with no message)."""
+    available = host_memory_available() if available is None else available
+    need = spec.weight_bytes // spec.dtype_bytes * torch.tensor([], dtype=dtype).element_size()
+    if available is not None and need > available:
+        raise ValueError(f"{spec.name}'s weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} on "
+                         f"the CPU, this host has {available / 1e9:.1f} GB available: use a smaller model "
+                         "(--model tiny-llama) or a GPU")
+
+
 class GpuExecutor:
     def __init__(self, spec: ModelSpec, weights_source: str = "dummy", device: str | torch.device = "cuda", *,
                  block_size: int = 16, num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -151,6 +174,8 @@ class GpuExecutor:
         self.poll_s = poll_s  # sleep between event polls while several lanes are in flight (0: yield)
         self.block_size = block_size
         if weights is None:
+            if not self.cuda:
+                check_host_memory(spec, self.dtype)
             weights = load_weights(spec, weights_source, self.device, self.dtype, seed=seed)
         self.model = Model(spec, weights, self.device, self.dtype)
         del weights

@@ -985,7 +985,19 @@ def _grid_options(old: dict, sizes: Sizes | None, twins: bool, corun_min: int, c
         opts["corun_sweep"] = True
     if corun_splits or old.get("corun_splits"):
         opts["corun_splits"] = True
+        if not opts["corun_min"]:
+            raise ValueError("--corun-all-splits adds co-run pairs up to --corun-min N on every split: give N (the "
+                             "profile has no --corun-min)")
     return opts
+
+
+def resumed_grid_options(out: Path, sizes: Sizes | None = None, twins: bool = False, corun_min: int = 0,
+                         corun_sweep: bool = False, corun_splits: bool = False) -> dict:
+    """The grid options a run of ``bullet profile`` into ``out`` measures with (:func:`_grid_options` of the
+    profile's own and this run's); ValueError for a combination that makes no grid. The CLI asks before it
+    starts the executor."""
+    return _grid_options((_old_meta(out) or {}).get("grid_options", {}), sizes, twins, corun_min, corun_sweep,
+                         corun_splits)
 
 
 def _skinny_meta(path: str | None) -> dict | None:
