@@ -15,6 +15,7 @@ writes as the passes are measured; ``--medians``):
    n=6) a small-sample artifact?
 
     PYTHONPATH=$PWD python3 bench/corun_residuals.py [PROFILE_DIR] [--medians] [--seeds 5] [--no-split-factor]
+        [--kernel prefill_attn_slots_per_sm=2 ...]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from bullet.perfmodel.fit import (
     work_of_row,
 )
 from bullet.perfmodel.fit import _read_points as read_typed
+from bullet.perfmodel.fitted import DEFAULT_KERNELS
 
 FAMILIES = (*GATED, "launch")
 
@@ -69,8 +71,9 @@ def typed(prof, rows: list[dict]) -> list[dict]:
         return read_typed(tmp, prof.num_sms)[0]
 
 
-def fitted(prof, held: list[bool], factors: bool = True) -> FittedModel:
-    return FittedModel(fit_model(prof, [r for r, h in zip(prof.rows, held) if not h], split=factors), host=True)
+def fitted(prof, held: list[bool], fit: dict | None = None) -> FittedModel:
+    """The model fitted on the rows not ``held`` out; ``fit``: :func:`fit_model`'s options (``split``, ``kernels``)."""
+    return FittedModel(fit_model(prof, [r for r, h in zip(prof.rows, held) if not h], **(fit or {})), host=True)
 
 
 def co_prefill(r: dict) -> bool:
@@ -95,7 +98,7 @@ def group(p: dict) -> dict[str, str]:
             "layers": str(p["layers"])}
 
 
-def residuals(prof, factors: bool = True) -> dict[str, list[float]]:
+def residuals(prof, fit: dict | None = None) -> dict[str, list[float]]:
     rows, twins = prof.rows, {r["id"]: r["gpu_s"] for r in prof.rows if not r["co_kind"]}
 
     def twin_of(r: dict) -> float:  # NaN where the profile did not measure the shape alone (no --twins)
@@ -103,9 +106,9 @@ def residuals(prof, factors: bool = True) -> dict[str, list[float]]:
     out: dict[str, dict] = {"interior": {}, "in sample": {}}
     for name, split, held in folds(prof):
         if split == "interior" and any(h and co_prefill(r) for r, h in zip(rows, held)):
-            fm = fitted(prof, held, factors)
+            fm = fitted(prof, held, fit)
             out["interior"].update({r["id"]: parts(fm, r, twin_of(r)) for r, h in zip(rows, held) if h and co_prefill(r)})
-    fm = fitted(prof, [False] * len(rows), factors)
+    fm = fitted(prof, [False] * len(rows), fit)
     out["in sample"] = {r["id"]: parts(fm, r, twin_of(r)) for r in rows if co_prefill(r)}
     by_id = {r["id"]: r for r in rows}
     print("\n1. co-run prefill, MAPE % (bias) of the co-run time | eager at the shape (alone over twin) | slowdown "
@@ -132,7 +135,7 @@ def residuals(prof, factors: bool = True) -> dict[str, list[float]]:
     return out["interior"]
 
 
-def noise(prof, interior: dict, first_card: set[str], factors: bool = True) -> None:
+def noise(prof, interior: dict, first_card: set[str], fit: dict | None = None) -> None:
     """``first_card``: the co-run ids whose first pass was measured on another card (the rows points.csv had
     before the re-measurement's passes): one pass's sd is taken from their later passes only."""
     path = prof.folder / PASSES_FILE
@@ -175,7 +178,7 @@ def noise(prof, interior: dict, first_card: set[str], factors: bool = True) -> N
     per_pass = defaultdict(list)
     by_k = defaultdict(list)
     for pid, (name, held) in fold_models.items():
-        fm = cache.get(name) or cache.setdefault(name, fitted(prof, held, factors))
+        fm = cache.get(name) or cache.setdefault(name, fitted(prof, held, fit))
         for k, row in enumerate(passes.get(pid, []), 1):
             r = dict(by_id[pid], **{c: float(row[c]) for c in ("gpu_s", "overlap")})
             p, m = predictions(fm, r)["co-run prefill"]
@@ -187,12 +190,12 @@ def noise(prof, interior: dict, first_card: set[str], factors: bool = True) -> N
                                           for k, v in sorted(by_k.items())))
 
 
-def seeds(prof, n: int, factors: bool = True) -> None:
+def seeds(prof, n: int, fit: dict | None = None) -> None:
     print(f"\n3. random 20 % split, seeds 0..{n - 1}: MAPE % (points) per seed, then pooled")
     pooled, over = defaultdict(list), defaultdict(int)
     for seed in range(n):
         held = folds(prof, seed)[0][2]
-        fm = fitted(prof, held, factors)
+        fm = fitted(prof, held, fit)
         errs = defaultdict(list)
         for r, h in zip(prof.rows, held):
             if h:
@@ -207,6 +210,21 @@ def seeds(prof, n: int, factors: bool = True) -> None:
                                     for f, v in pooled.items() if v))
 
 
+KERNEL_HELP = ("a kernel constant of the fit (fitted.DEFAULT_KERNELS), e.g. prefill_attn_slots_per_sm=2; "
+               "prefill_attn_slots_per_sm=1e-9 makes attn_extra 0 (the version 10 fit); repeatable")
+
+
+def kernel_overrides(items: list[str]) -> dict:
+    """DEFAULT_KERNELS with ``NAME=VALUE`` items (``--kernel``) put in."""
+    kernels = dict(DEFAULT_KERNELS)
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in kernels or not value:
+            raise SystemExit(f"error: --kernel {item!r}: give NAME=VALUE, NAME one of {', '.join(kernels)}")
+        kernels[name] = int(value) if value.isdigit() else float(value)
+    return kernels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profile", nargs="?", default="profiles/h200/llama-3.1-8b", help="profile folder")
@@ -214,6 +232,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--no-split-factor", action="store_true",
                     help="fit without the co-run factor per prefill size (format version 8's fit)")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=VALUE", help=KERNEL_HELP)
     a = ap.parse_args()
     try:
         prof = load_profile(a.profile)
@@ -223,10 +242,10 @@ def main() -> None:
     if a.medians and (prof.folder / PASSES_FILE).exists():
         prof = with_medians(prof)
     print(f"=== {a.profile}: {len(prof.rows)} points" + (", co-run rows the median of their passes" if a.medians else ""))
-    factors = not a.no_split_factor
-    interior = residuals(prof, factors)
-    noise(prof, interior, first_card, factors)
-    seeds(prof, a.seeds, factors)
+    fit = {"split": not a.no_split_factor, "kernels": kernel_overrides(a.kernel)}
+    interior = residuals(prof, fit)
+    noise(prof, interior, first_card, fit)
+    seeds(prof, a.seeds, fit)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ Prints, for each profile folder given (default: the two shipped H200 profiles):
 3. the noise: the spread of each point's 3 timed runs, ``(max - min) / median``, by SM count (and the co-run
    passes where the profile has ``corun_passes.csv``);
 4. the held-out error of ``bullet fit``'s families without and with the ``grid`` term (``gemm_flops x
-   ceil(N/n)``), and the interior folds' prefill MAPE and bias one by one.
+   ceil(N/n)``), and the interior folds' prefill MAPE and bias one by one;
+5. in sample (the fit of every point): each solo prefill shape's error by SM count, and the mixed points' largest
+   misses.
 
-    PYTHONPATH=$PWD python3 bench/fit_residuals.py [PROFILE_DIR ...]
+    PYTHONPATH=$PWD python3 bench/fit_residuals.py [PROFILE_DIR ...] [--kernel prefill_attn_slots_per_sm=1e-9]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 from scipy.optimize import nnls
@@ -41,6 +44,9 @@ from bullet.perfmodel.fit import (
     pass_spread,
     predictions,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corun_residuals import KERNEL_HELP, kernel_overrides
 
 PROFILES = ("profiles/h200/llama-3.1-8b", "profiles/h200/qwen3-8b")
 GRID = ("gemm_flops", "grid")
@@ -164,10 +170,39 @@ def fold_errors(prof, fitter) -> dict[str, tuple[float, float]]:
     return out
 
 
+def in_sample_table(prof, kernels: dict | None = None) -> None:
+    """The fit of all points (``kernels``: its kernel constants) in sample: each solo prefill shape's error by SM count, then the mixed points'
+    largest misses either way."""
+    fm = FittedModel(fit_model(prof, prof.rows, kernels=kernels), host=True)
+    by: dict[str, dict[int, float]] = defaultdict(dict)
+    mixed = []
+    for r in prof.rows:
+        if not is_solo(r):
+            continue
+        for fam, (p, m) in predictions(fm, r).items():
+            if fam == "prefill":
+                by[r["id"].rsplit("@", 1)[0]][r["sms"]] = 100 * (p / m - 1)
+            elif fam == "mixed":
+                mixed.append((100 * (p / m - 1), m, r["id"]))
+    ns = sorted({n for v in by.values() for n in v})
+    print("\n5. in sample, predicted / measured - 1 (%), solo prefill shapes by SM count")
+    print(f"{'shape':48}" + "".join(f"{n:>7}" for n in ns))
+    for shape, v in sorted(by.items()):
+        print(f"{shape[:48]:48}" + "".join(f"{v[n]:+7.1f}" if n in v else " " * 7 for n in ns))
+    mixed.sort()
+    print(f"   mixed, {len(mixed)} points, MAPE {np.mean([abs(e) for e, _, _ in mixed]):.2f} %; the largest misses:")
+    for e, m, pid in mixed[:5] + mixed[-5:]:
+        print(f"   {e:+6.1f} % {1e3 * m:8.2f} ms  {pid[:100]}")
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("profiles", nargs="*", help="profile folders (default: the two shipped H200 profiles)")
-    for folder in ap.parse_args(argv).profiles or PROFILES:
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=VALUE",
+                    help=KERNEL_HELP + " (section 5)")
+    a = ap.parse_args(argv)
+    kernels = kernel_overrides(a.kernel)
+    for folder in a.profiles or PROFILES:
         try:
             prof = load_profile(folder)
         except ConfigError as e:
@@ -177,6 +212,7 @@ def main(argv: list[str]) -> None:
         per_shape(prof)
         noise(prof)
         held_out(prof)
+        in_sample_table(prof, kernels)
 
 
 if __name__ == "__main__":

@@ -182,13 +182,45 @@ def instructions(argv: list[str], kind: str, states: int, first: int) -> float:
     raise RuntimeError("callgrind wrote no totals")
 
 
+def floor(running: int, blocks: int = 7) -> None:
+    """The cost of the simplest per-request work a decision over ``running`` requests can do: one pass reading an
+    attribute, one looking each block table up by id, and growing every table by ``blocks`` blocks
+    (``BlockManager.grow``, a fresh pool each run: the best of 20)."""
+    reqs = [Request(i, 0.0, 100 + i, 500) for i in range(running)]
+    tables = {r.id: [0, 1, 2] for r in reqs}
+
+    def best(fn) -> float:
+        n, _ = timeit.Timer(fn).autorange()
+        return min(timeit.repeat(fn, number=n, repeat=5)) / n
+
+    def grow() -> float:
+        out = math.inf
+        for _ in range(20):
+            kv = BlockManager(60_000, 16)
+            for r in reqs:
+                kv.allocate(r.id, r.prompt_len)
+            wants = [(r.id, (len(kv.tables[r.id]) + blocks) * 16) for r in reqs]
+            t0 = time.perf_counter()
+            kv.grow(wants)
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    print(f"per-request floor, {running} running requests\n")
+    print("| pass | us |")
+    print("|---|---:|")
+    print(f"| one attribute of each ([r.num_computed for r in reqs]) | {best(lambda: [r.num_computed for r in reqs]) * 1e6:.1f} |")
+    print(f"| each table by id ([tables[r.id] for r in reqs]) | {best(lambda: [tables[r.id] for r in reqs]) * 1e6:.1f} |")
+    print(f"| BlockManager.grow of every table by {blocks} blocks | {grow() * 1e6:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--latency", default="roofline")
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--waiting", type=int, default=64)
     ap.add_argument("--states", type=int, default=30, help="seeded states per whole-decision row")
-    ap.add_argument("--rows", choices=("all", "pieces", "decisions"), default="all")
+    ap.add_argument("--rows", choices=("all", "pieces", "decisions", "floor"), default="all",
+                    help="floor: what plain Python passes over the running requests cost, for scale")
     ap.add_argument("--callgrind", action="store_true", help="instructions per whole decision (needs valgrind)")
     ap.add_argument("--callgrind-from", type=int, default=6, help="the first state counted (earlier ones: warm-up)")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="--callgrind: the decisions")
@@ -215,6 +247,9 @@ def main() -> None:
         print("|---|---:|")
         for kind in args.kinds:
             print(f"| {kind} | {instructions(argv, kind, args.states, args.callgrind_from):,.0f} |", flush=True)
+        return
+    if args.rows == "floor":
+        floor(R)
         return
     sched, now, work = state(args.running, args.waiting, latency)
     view = sched._view(sched._decoding(), now)

@@ -1062,11 +1062,11 @@ def test_decode_passes_spread_reads_the_first_step_and_checks_solo_decode_rows(t
         for r in dec[:10]:
             for k, x in enumerate((0.97, 1.03), 1):
                 w.writerow({"pass": k, **r, "first_s": repr(float(r["first_s"]) * x)})
-    spread = pass_spread(folder / "decode_passes.csv", load_profile(folder).rows, "first_s")
+    spread = pass_spread(folder / "decode_passes.csv", load_profile(folder).rows, "first_s", solo=True)
     assert (spread["points"], spread["passes"], spread["not_median"], spread["no_row"]) == (10, 2, 0, 0)
     assert spread["spread_mean"] == pytest.approx(0.06)
     # step_s is the same in both passes: no spread
-    assert pass_spread(folder / "decode_passes.csv", load_profile(folder).rows)["spread_mean"] == 0.0
+    assert pass_spread(folder / "decode_passes.csv", load_profile(folder).rows, solo=True)["spread_mean"] == 0.0
 
 
 def test_attn_extra_is_a_single_chunks_longest_prefill_program_beyond_its_even_share():

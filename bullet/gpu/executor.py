@@ -146,7 +146,7 @@ def check_host_memory(spec: ModelSpec, dtype: torch.dtype, available: int | None
     """Refuse, before any allocation, a model whose weights in ``dtype`` would not fit the host's available memory
     (an 8B model in float32 on a 24 GiB machine was killed by the kernel's OOM killer, with no message)."""
     available = host_memory_available() if available is None else available
-    need = spec.weight_bytes // spec.dtype_bytes * torch.tensor([], dtype=dtype).element_size()
+    need = spec.weight_bytes // spec.dtype_bytes * dtype.itemsize
     if available is not None and need > available:
         raise ValueError(f"{spec.name}'s weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} on "
                          f"the CPU, this host has {available / 1e9:.1f} GB available: use a smaller model "

@@ -692,15 +692,15 @@ def fit_host_gap(rows: list[dict]) -> dict | None:
             "gap_s": [float(x) for x in g], "loo_error_pct": loo, "source": "gaps.csv"}
 
 
-def pass_spread(path: Path, rows: list[dict] | None = None, col: str | None = None) -> dict | None:
+def pass_spread(path: Path, rows: list[dict] | None = None, col: str | None = None, solo: bool = False) -> dict | None:
     """How far a profile's co-run points moved between passes (``corun_passes.csv`` from ``bullet profile
     --corun-passes``; None without one): of each point with two passes or more, (max - min) / median of its
     time (a prefill's GPU time, a decode step), their mean, and the pooled relative sd of one pass. With the
     profile's ``rows``, also how many co-run rows are not the median of their passes (``not_median``) and how many
     points with passes have no row (``no_row``): a passes run stopped before it wrote them (the shipped H200
     Llama-3.1-8B profile of 2026-12-02 kept its first pass in all 74 rows, 69 of them not the median, and lacked
-    18 points). Also for ``decode_passes.csv`` (``bullet profile --decode-passes``: solo decode points, their rows
-    checked likewise); ``col``: the time read (default a decode step's ``step_s``, a prefill's ``gpu_s``)."""
+    18 points). Also for ``decode_passes.csv`` (``bullet profile --decode-passes``; ``solo``: its rows are checked
+    against the solo rows); ``col``: the time read (default a decode step's ``step_s``, a prefill's ``gpu_s``)."""
     if not path.exists():
         return None
     with path.open(newline="") as f:
@@ -724,8 +724,7 @@ def pass_spread(path: Path, rows: list[dict] | None = None, col: str | None = No
     out = {"points": len(multi), "passes": max(len(v) for v in multi), "spread_mean": float(np.mean(spread)),
            "pass_sd": float(np.sqrt(np.mean(var))), "source": path.name}
     if rows is not None:
-        co = path.name != "decode_passes.csv"
-        have = {r["id"]: r[col or ("step_s" if is_decode(r) else "gpu_s")] for r in rows if bool(r["co_kind"]) == co}
+        have = {r["id"]: r[col or ("step_s" if is_decode(r) else "gpu_s")] for r in rows if bool(r["co_kind"]) != solo}
         out["not_median"] = sum(pid in have and not math.isclose(have[pid], float(np.median(v)), rel_tol=1e-6)
                                 for pid, v in by.items())
         out["no_row"] = sum(pid not in have for pid in by)
@@ -754,9 +753,10 @@ def fit_profile(folder: str | Path, seed: int = 0, on_fold: Callable[[str], None
     gap = fit_host_gap(gaps)
     if gap is not None:
         model["host_gap"] = gap
-    for key, file, col in (("corun_passes", "corun_passes.csv", None), ("decode_passes", "decode_passes.csv", None),
-                           ("decode_first_passes", "decode_passes.csv", "first_s")):
-        if (spread := pass_spread(prof.folder / file, prof.rows, col)) is not None:
+    for key, file, col, solo in (("corun_passes", "corun_passes.csv", None, False),
+                                 ("decode_passes", "decode_passes.csv", None, True),
+                                 ("decode_first_passes", "decode_passes.csv", "first_s", True)):
+        if (spread := pass_spread(prof.folder / file, prof.rows, col, solo)) is not None:
             model["profile"][key] = spread
     return model
 

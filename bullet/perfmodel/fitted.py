@@ -125,7 +125,8 @@ DEFAULT_KERNELS = {
     # one. Held-out MAPE over 10 random splits, prefill / mixed / co-run prefill / whole launches, Llama-3.1-8B on
     # the H200: without the term 2.73 / 3.09 / 2.70 / 2.48 %, slots 0.5: 2.82 / 3.01 / 2.70 / 2.50, 1: 2.54 / 2.74 /
     # 2.64 / 2.39, 2: 2.55 / 2.76 / 2.60 / 2.39, 4: 2.61 / 2.79 / 2.59 / 2.41; Qwen3-8B without 3.33 / 3.38 / 3.24 /
-    # 3.09, 1: 3.19 / 3.55 / 3.19 / 3.05 (bench/RESULTS.md)
+    # 3.09, 1: 3.19 / 3.55 / 3.19 / 3.05 (`bench/corun_residuals.py --seeds 10 --kernel prefill_attn_slots_per_sm=S`;
+    # bench/RESULTS.md)
     "prefill_block_m": 128,
     "prefill_attn_slots_per_sm": 1,
     "tile_m": 128,
