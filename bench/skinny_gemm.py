@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 bench/skinny_gemm.py [--model llama-3.1-8b] [--rows 16,64,128,256] [--sms 0,40,64]
         [--jobs 8] [--out F] [--table profiles/h200/llama-3.1-8b/skinny.json [--margin 0.03]
         [--gemm-csv profiles/h200/llama-3.1-8b/gemm.csv]]
+    PYTHONPATH=. python3 bench/skinny_gemm.py --model qwen3-8b --cublas-only --rows ... --sms ... \
+        --gemm-csv profiles/h200/qwen3-8b/gemm.csv
 
 Per row count M and product (q/k/v, o + residual, gate/up + SiLU x up, down + residual, LM head): each
 configuration is first checked against a float64 reference on random data (relative error < 1e-2 in bf16),
@@ -19,6 +21,8 @@ loads (``kernels.skinny.load_table``): for each (SMs, M, product) the best skinn
 decode graphs' batch buckets and ``--sms`` the decode partition sizes the policies use. ``--gemm-csv`` (with
 ``--table``): every (SMs, M, product) of the layers' four products with both times and the kernel the table
 makes the executor take, the profile folder's ``gemm.csv`` that ``bullet fit`` reads (``fit.read_gemm``).
+``--cublas-only`` times cuBLAS alone: the ``gemm.csv`` of a model the executor runs without a skinny table (its
+profile folder has no ``skinny.json``: every product on cuBLAS), written without ``--table``.
 """
 
 from __future__ import annotations
@@ -172,9 +176,14 @@ def main() -> None:
                     help="a skinny config enters the table only if it took at least this fraction less time")
     ap.add_argument("--shapes", default="",
                     help="tile shapes to try, as BN:BK:STAGES,... (default: all of candidates())")
+    ap.add_argument("--cublas-only", action="store_true",
+                    help="time cuBLAS alone (no skinny configs): with --gemm-csv, the table of a model whose executor "
+                         "has no skinny table (every cell taken by cuBLAS); --table is then refused")
     args = ap.parse_args()
-    if args.gemm_csv and not args.table:
-        ap.error("--gemm-csv needs --table (the table decides which kernel each cell takes)")
+    if args.cublas_only and args.table:
+        ap.error("--cublas-only measures no skinny config: there is no table to write (leave --table out)")
+    if args.gemm_csv and not (args.table or args.cublas_only):
+        ap.error("--gemm-csv needs --table (the table decides which kernel each cell takes) or --cublas-only")
     prods = products(args.model)
     shapes = {tuple(int(v) for v in x.split(":")) for x in args.shapes.split(",")} if args.shapes else None
     rows = [int(x) for x in args.rows.split(",")]
@@ -190,7 +199,8 @@ def main() -> None:
         sides.append((side.num_sms, side.stream))
 
     work = [(name, m, sms, [c for c in candidates(*prods[name][:2], m, prods[name][2], sms)
-                            if shapes is None or (c.block_n, c.block_k, c.num_stages) in shapes])
+                            if not args.cublas_only
+                            and (shapes is None or (c.block_n, c.block_k, c.num_stages) in shapes)])
             for sms, _ in sides for m in rows for name in names]
     t0 = time.time()
     jobs: dict[tuple, set] = {}
@@ -243,6 +253,8 @@ def main() -> None:
         taken = write_table(Path(args.table), args, prods, results, date)
         if args.gemm_csv:
             write_gemm_csv(Path(args.gemm_csv), results, taken)
+    elif args.gemm_csv:  # --cublas-only: the executor takes cuBLAS everywhere
+        write_gemm_csv(Path(args.gemm_csv), results, set())
     menu.close()
 
 

@@ -35,6 +35,7 @@ from bullet.perfmodel.fit import (
     load_profile,
     pass_spread,
     predictions,
+    read_gemm,
     work_of_row,
     write_model,
 )
@@ -856,6 +857,24 @@ def test_fitting_recovers_the_power_terms(tmp_path, real):
         assert a.predict(w, r["sms"], co, r["co_sms"]) == b.predict(w, r["sms"], co, r["co_sms"]) \
             > b.predict(w, r["sms"])
         assert np.array_equal(a.predict(w, menu, co, 132 - menu), b.predict(w, menu, co, 132 - menu))
+
+
+def test_a_cublas_only_gemm_csv_sums_the_cublas_times(tmp_path):
+    """``bench/skinny_gemm.py --cublas-only`` writes no skinny time (an empty field) and takes cuBLAS everywhere:
+    the table is the cuBLAS times summed per layer (by hand: 1 + 2 + 3 + 4 us at each cell), and a cell that says
+    it takes the skinny kernel without a skinny time is refused with the field named."""
+    path = tmp_path / "gemm.csv"
+    lines = ["sms,rows,product,cublas_s,skinny_s,taken"]
+    for sms in (8, 132):
+        for rows in (2, 64):
+            lines += [f"{sms},{rows},{p},{k}e-06,,cublas" for k, p in enumerate(("qkv", "o", "gate_up", "down"), 1)]
+    path.write_text("\n".join(lines) + "\n")
+    table = read_gemm(path, 132)
+    assert table["sms"] == [8, 132] and table["rows"] == [2, 64]
+    assert np.allclose(table["layer_s"], [[10e-6, 10e-6], [10e-6, 10e-6]], rtol=1e-12, atol=0)
+    path.write_text("\n".join([lines[0], lines[1].replace("cublas", "skinny"), *lines[2:]]) + "\n")
+    with pytest.raises(ConfigError, match=r"gemm.csv: line 2, field 'skinny_s': not a number"):
+        read_gemm(path, 132)
 
 
 @pytest.mark.parametrize("edit, message", [
