@@ -271,7 +271,7 @@ def test_other_model_versions(real_model):
     """Version 1 and 2 files (k<K> bases only; no victim contention terms) still load; an unknown version asks
     for a refit."""
     data = json.loads(real_model.read_text())
-    assert data["version"] == 11
+    assert data["version"] == 12
     FittedModel(truth_model().data)  # version 1
     FittedModel({**data, "version": 3, "gemm_table": None})  # version 3: no GEMM table
     shipped = json.loads((H200_PROFILE / "model.json").read_text())  # version 4 or 5: no power terms in version 4
@@ -284,8 +284,10 @@ def test_other_model_versions(real_model):
     FittedModel({**data, "version": 8})  # version 8: no co_split_factor
     FittedModel({**data, "version": 9})  # version 9: no longest_extra
     FittedModel({**data, "version": 10})  # version 10: no attn_extra
-    with pytest.raises(ConfigError, match=r"version 12, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11: refit"):
-        FittedModel({**data, "version": 12})
+    FittedModel({**data, "version": 11})  # version 11: no attn_tiles
+    with pytest.raises(ConfigError,
+                       match=r"version 13, this bullet reads versions 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12: refit"):
+        FittedModel({**data, "version": 13})
     with pytest.raises(ConfigError, match="co_split_factor"):
         FittedModel({**data, "co_split_factor": {"36": 0.0}})
 
@@ -1105,3 +1107,26 @@ def test_attn_extra_is_a_single_chunks_longest_prefill_program_beyond_its_even_s
     assert got[0] == 0.0 and got[1] == q.eager(w, 116)["attn_extra"]
     two = Work(32, 512, 2, 2 * pairs, 2 * (8192 + 256), 2, True, 8192 + 256)
     assert q.eager(two, 116)["attn_extra"] == 0.0
+
+
+def test_attn_tiles_counts_the_attention_flops_the_tile_kernel_runs():
+    """Format version 12's ``attn_tiles``, by hand (Llama-3.1-8B: 32 q heads x 128 dims, 4 FLOPs a pair and dim:
+    16,384 FLOPs a query-key pair per layer): ``attention`` hands a lone fresh prompt of 2,048 tokens or more to SDPA
+    (0) and runs every other multi-token launch in the tile kernel (its attention FLOPs, as ``attn``): a 2,047-token
+    prompt, a chunk after a cached prefix, two prompts, a prompt beside decode rows."""
+    q = Quantities(LLAMA, 132, dict(DEFAULT_KERNELS))
+
+    def flops(pairs):  # per launch, in TFLOP over the GPU's 132 SMs, 32 layers
+        return 32 * pairs * 16384 * 1e-12 / 132
+
+    lone = Work(32, 4096, 1, 4096 * 4097 / 2, 4096, 1, True, 4096)
+    assert q.eager(lone, 64)["attn_tiles"] == 0.0 and q.eager(lone, 64)["attn"] == pytest.approx(flops(lone.attn_pairs))
+    short = Work(32, 2047, 1, 2047 * 2048 / 2, 2047, 1, True, 2047)
+    prefix = Work(32, 256, 1, 256 * 8192 + 256 * 257 / 2, 8448, 1, True, 8448)
+    two = Work(32, 4096, 2, 2 * 2048 * 2049 / 2, 4096, 2, True, 2048)
+    mixed = Work(32, 4112, 17, 4096 * 4097 / 2 + 16 * 1025, 4096 + 16 * 1025, 17, True, 4096)
+    for w in (short, prefix, two, mixed):
+        assert q.eager(w, 64)["attn_tiles"] == pytest.approx(flops(w.attn_pairs), rel=1e-12)
+        assert q.eager(w, 64)["attn_tiles"] == q.eager(w, 64)["attn"]
+    assert q.eager(short, 64)["attn_tiles"] == pytest.approx(32 * 2096128 * 16384e-12 / 132, rel=1e-12)
+    assert Quantities(LLAMA, 132, {**DEFAULT_KERNELS, "sdpa_from": 1 << 30}).eager(lone, 64)["attn_tiles"] > 0.0

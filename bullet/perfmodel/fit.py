@@ -101,6 +101,8 @@ def default_terms(num_sms: int, knots=KNOTS, eager_sms=(), gemm: bool = False) -
         eager = [(q, b) for q in ("weights", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens")
                  for b in [*hs, "full"]]
         eager += [("attn", b) for b in [*ks, "full"]]
+        # the same FLOPs where the tile kernel runs them instead of SDPA (format version 12, fitted.py ``attn_tiles``)
+        eager += [("attn_tiles", b) for b in [*ks, "full"]]
         eager += [("gemm_waves", "one"), ("samples", "one"), ("layers", "one"), ("launch", "one"),
                   ("attn_extra", "one")]
         # GEMM FLOPs in rounds of a grid sized for the whole GPU (fitted.py ``grid``): interior loso of the shipped

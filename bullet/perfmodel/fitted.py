@@ -94,16 +94,17 @@ from ..config import ConfigError, GpuSpec, ModelSpec
 from .base import Work, check_sms, new_work, shared_sms
 
 FORMAT = "bullet-fitted-latency"
-FORMAT_VERSION = 11  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
+FORMAT_VERSION = 12  # 2: the ``r<first>_<knot>_<next>`` SM basis; 3: the victim's contention terms (CO_EAGER_Q,
 # CO_DECODE_Q); 4: the measured GEMM table of the decode products (``gemm_table``); 5: the power terms of a prefill's
 # slowdown (``own_flops_co_sm``, ``co_gemm_co_sm``); 6: the ``grid`` SM basis (``ceil(N / n)``); 7: a prefill's
 # slowdown beside a tensor-core co-runner (``co_tc_co_sm``); 8: the FLOPs of the GEMMs with few output tiles
 # (``small_gemm_flops``) and the co-runner's GEMM share up to half the GPU (``co_gemm_half``); 9: a co-run
 # prefill's factor per prefill partition size (``co_split_factor``); 10: the decode families' ``longest_extra`` (the
 # kernels' ``attn_slots_per_sm``); 11: the eager family's ``attn_extra`` (a single chunk's longest prefill-attention
-# program beyond its even share; the kernels' ``prefill_block_m``, ``prefill_attn_slots_per_sm``); older files read
-# unchanged
-READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+# program beyond its even share; the kernels' ``prefill_block_m``, ``prefill_attn_slots_per_sm``); 12: the eager
+# family's ``attn_tiles`` (attention FLOPs the tile kernel runs, not SDPA; the kernels' ``sdpa_from``); older files
+# read unchanged
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 
 # Decode graphs pad a batch to the next bucket (bullet/gpu/graphs.py DEFAULT_BUCKETS) and size their
 # attention split for GRAPH_CONTEXT tokens; the split rule is decode_attention.decode_splits'. They are
@@ -129,6 +130,9 @@ DEFAULT_KERNELS = {
     # bench/RESULTS.md)
     "prefill_block_m": 128,
     "prefill_attn_slots_per_sm": 1,
+    # a lone fresh prompt of at least this many tokens runs its attention in SDPA, every other multi-token launch in
+    # the tile kernel over the KV pool (bullet/gpu/attention.py ``SDPA_FROM``; ``attn_tiles``)
+    "sdpa_from": 2048,
     "tile_m": 128,
     "tile_n": 256,
 }
@@ -148,13 +152,19 @@ EAGER_Q = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix
 HOST_Q = ("layers", "seq_layers", "tokens", "prefix_tokens", "launch")
 # what Quantities.eager computes, in its order (eager_tokens besides EAGER_Q: a later term)
 EAGER_KEYS = ("gemm_flops", "gemm_waves", "weights", "attn", "prefix_attn", "prefix_kv", "kv", "tokens", "eager_tokens",
-              "seq_layers", "samples", "layers", "launch", "small_gemm_flops", "attn_extra")
+              "seq_layers", "samples", "layers", "launch", "small_gemm_flops", "attn_extra", "attn_tiles")
 # ``attn_extra`` (format version 11): the prefill-attention kernel runs one program per (tile of new tokens, KV
 # head), each over its tile's keys (the cached prefix and the causal part), so a short chunk after a long prefix is a
 # few long programs: its time is about the longest program's once the programs' even share over the SMs' slots drops
 # below it, and plain FLOPs / n keeps falling with SMs where the kernel does not. The term is the longest program's
 # keys beyond that share, for a launch of one chunk (a mixed launch's decode rows run in another kernel, and a
 # launch of several prompts orders its tiles longest first).
+# ``attn_tiles`` (format version 12): the attention FLOPs (``attn``'s) of a launch whose attention runs in the tile kernel
+# (bullet/gpu/kernels/prefill_attention.py: keys and values read from the paged pool), 0 for a lone fresh prompt of
+# ``sdpa_from`` tokens or more, which runs in SDPA on its contiguous keys. One 8,192-token prompt beside 16 decode
+# rows took 232.7 ms against 216.7 alone (Llama-3.1-8B on the whole H200; Qwen3-8B 240.5 against 212.8): the same
+# FLOPs in the other kernel. Held out over ten random splits, prefill 2.59 -> 2.43 % (Llama-3.1-8B), 3.03 -> 2.96
+# (Qwen3-8B); mixed 2.47 -> 2.46, 3.91 -> 3.83 (bench/RESULTS.md).
 # ``small_gemm_flops`` (format version 8): the FLOPs of the layer GEMMs that have fewer output tiles (tile_m x tile_n)
 # than SMALL_GEMM_TILES x the GPU's SMs. The ``grid`` rounds (``ceil(N / n)``) are a property of kernels whose grid
 # is sized for the device, which cuBLAS launches for GEMMs with few tiles (split-K, stream-K); a GEMM of thousands
@@ -433,7 +443,13 @@ class Quantities:
                 L * w.kv_read * self.kv_bytes * 1e-9, L * t * 1e-6, 0.0 if graphed else L * t * 1e-6,
                 L * w.seqs * 1e-3, w.samples * 1e-3, L * 1e-3, 1e-3,
                 L * t * self.small_gemm_flops(w.tokens) * 1e-12 / self.N,
-                0.0 if w.seqs != 1 else L * self.attn_extra(w, n) * 1e-3)
+                0.0 if w.seqs != 1 else L * self.attn_extra(w, n) * 1e-3,
+                L * w.attn_pairs * self.attn_flops_per_pair * 1e-12 / self.N if self.tiled(w) else 0.0)
+
+    def tiled(self, w: Work) -> bool:
+        """The launch's attention runs in the tile kernel: anything but one fresh prompt (no cached prefix) of
+        ``sdpa_from`` tokens or more, which ``attention`` hands to SDPA."""
+        return w.seqs != 1 or w.kv_read != w.tokens or w.tokens < self.k.get("sdpa_from", 2048)
 
     def attn_extra(self, w: Work, n) -> Any:
         """Keys of a one-chunk launch's longest prefill-attention program (its whole context, ``max_kv``) beyond the
