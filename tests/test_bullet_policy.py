@@ -424,7 +424,9 @@ def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
     """Random joins (some with no token out yet), decode launches coming back (a random subset, or every
     decoding request), first tokens, finishes and preemptions: after each, the array view equals the Python
     pass over the same requests to the bit (Work, budget, loan), at several clocks, and the sorted tokens left
-    (the seat releases') equal a fresh sort."""
+    (the seat releases') equal a fresh sort. The Work comes from the sums kept through every change (count, KV
+    tokens, the longest context, dropped and gathered again when its request leaves), the budget and loan
+    from the arrays when first read."""
     from bullet.policies.bullet import DecodeArrays
 
     sched, _ = make(SloConfig(tpot=tpot), max_num_seqs=seats)
@@ -466,6 +468,23 @@ def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
             cap, pace = (1.3 * tpot, 0.95 * tpot) if lend else (0.0, 0.0)
             assert arrays.view(now, lend, cap, pace, L) == sched._view(list(live), now)
         assert arrays.sorted_left().tolist() == sorted(r.max_new_tokens - r.num_output for r in live)
+
+
+def test_lazy_view_refuses_a_stale_budget():
+    """A view read from the arrays computes its budget when first read, from the arrays as they are then: read
+    after a decoding request changed, it would be another view's, and it says so instead. Its budget, read in
+    time, is the Python pass's (0.1 s a step: 0.5 s of its 1 s of TPOT left for its last 5 tokens)."""
+    from bullet.policies.bullet import DecodeArrays
+
+    r = decoding(0, 6, 0.0, 11, 105)
+    arrays = DecodeArrays(0.1, [r])
+    assert arrays.view(0.5, False, 0.0, 0.0, L).budget == pytest.approx(0.1)
+    view = arrays.view(0.5, False, 0.0, 0.0, L)
+    r.num_output, r.num_computed = 7, 106
+    arrays.advance(arrays.slots([r]), 1)
+    with pytest.raises(SchedulingError, match="after its decoding requests changed"):
+        _ = view.loan
+    assert view.work == Work(L, 1, 1, 106.0, 106, 1, True, 106)  # (the Work is taken when the view is made)
 
 
 def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
