@@ -200,7 +200,7 @@ class DecodeArrays:
         self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
         # the decoding slots' count, the sum of their num_computed and its largest (None: to be gathered again)
         self.ndec = 0
-        self.csum = 0
+        self.csum: int | None = 0
         self.cmax: int | None = None
         self.version = 0  # changes with any change to a decoding slot (a view's lazy budget checks it)
         # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
@@ -238,12 +238,13 @@ class DecodeArrays:
             self._sorted = None
 
     def _drop(self, s: int) -> None:
-        """Take decoding slot ``s`` out of the sums (it leaves, or its request's progress is copied anew)."""
-        comp = int(self.tot[s] - self.left[s])
+        """Take decoding slot ``s``, whose request leaves, out of the count and the sums."""
+        if self.csum is not None:
+            comp = int(self.tot[s] - self.left[s])
+            self.csum -= comp
+            if comp == self.cmax:
+                self.cmax = None
         self.ndec -= 1
-        self.csum -= comp
-        if comp == self.cmax:
-            self.cmax = None
         self.dec[s] = False
         self._dec = self._kept = self._work = None
         self.version += 1
@@ -253,22 +254,30 @@ class DecodeArrays:
         s = self.slot.get(r.id)
         if s is None:
             return
-        if self.dec[s]:  # (a slot that neither was nor is decoding is in no gathered view: kept)
-            self._drop(s)
+        was, dec = bool(self.dec[s]), r.num_output > 0
         left = self.left[s] = r.max_new_tokens - r.num_output
         self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
         self._sorted = None
-        if r.num_output > 0:
-            comp = r.num_computed
+        if not (was or dec):  # (a slot that neither was nor is decoding is in no gathered view: kept)
+            return
+        self._dec = self._kept = self._work = None
+        self.version += 1
+        if was:  # its old progress is not read back: the sums are gathered again when next asked (a mixed
+            # launch syncs every decoding row; one gather then costs less than a scalar read per row)
+            self.csum = self.cmax = None
+            self.ndec -= 1
+        if dec:
             self.dec[s] = True
             self.ndec += 1
-            self.csum += comp
-            if self.ndec == 1 or (self.cmax is not None and comp > self.cmax):  # (the first: the largest)
-                self.cmax = comp
-            self._dec = self._kept = self._work = None
-            self.version += 1
+            comp = r.num_computed
+            if self.csum is not None:  # (a first token: its progress joins the sums)
+                self.csum += comp
+                if self.ndec == 1 or (self.cmax is not None and comp > self.cmax):  # (the first: the largest)
+                    self.cmax = comp
+        else:
+            self.dec[s] = False
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
@@ -283,11 +292,12 @@ class DecodeArrays:
         self.left[slots] -= steps
         g = self._dec
         k = self.ndec if g is not None and slots is g[0] else int(np.count_nonzero(self.dec[slots]))
-        self.csum += k * steps
-        if k < self.ndec:
-            self.cmax = None
-        elif self.cmax is not None:
-            self.cmax += steps
+        if self.csum is not None:
+            self.csum += k * steps
+            if k < self.ndec:
+                self.cmax = None
+            elif self.cmax is not None:
+                self.cmax += steps
         # every running request decoded as many tokens: their tokens left keep their order (one subtraction
         # instead of a gather and a sort of 256: ~3 us of the seat releases' ~6, bench/policy_decision.py, hot)
         sl = self._sorted
@@ -314,7 +324,12 @@ class DecodeArrays:
         work = self._work
         if work is None or work.num_layers != num_layers:
             n, cmax = self.ndec, self.cmax
-            if cmax is None and n:  # (the largest left with its slot, or some decoded and others not)
+            if self.csum is None:  # (a decoding request's progress copied anew: gathered)
+                dec, tot, _, _ = self._decoding()
+                comp = tot - self.left[dec]
+                self.csum, cmax = int(comp.sum()), int(comp.max()) if n else None
+                self.cmax = cmax
+            elif cmax is None and n:  # (the largest left with its slot, or some decoded and others not)
                 dec, tot, _, _ = self._decoding()
                 cmax = self.cmax = int((tot - self.left[dec]).max())
             kv = self.csum + n
