@@ -424,7 +424,9 @@ def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
     """Random joins (some with no token out yet), decode launches coming back (a random subset, or every
     decoding request), first tokens, finishes and preemptions: after each, the array view equals the Python
     pass over the same requests to the bit (Work, budget, loan), at several clocks, and the sorted tokens left
-    (the seat releases') equal a fresh sort."""
+    (the seat releases') equal a fresh sort. The Work comes from the sums kept through every change (count, KV
+    tokens, the longest context, dropped and gathered again when its request leaves), the budget and loan
+    from the arrays when first read."""
     from bullet.policies.bullet import DecodeArrays
 
     sched, _ = make(SloConfig(tpot=tpot), max_num_seqs=seats)
@@ -466,6 +468,23 @@ def test_decode_arrays_equal_the_python_pass(ops, tpot, seats):
             cap, pace = (1.3 * tpot, 0.95 * tpot) if lend else (0.0, 0.0)
             assert arrays.view(now, lend, cap, pace, L) == sched._view(list(live), now)
         assert arrays.sorted_left().tolist() == sorted(r.max_new_tokens - r.num_output for r in live)
+
+
+def test_lazy_view_refuses_a_stale_budget():
+    """A view read from the arrays computes its budget when first read, from the arrays as they are then: read
+    after a decoding request changed, it would be another view's, and it says so instead. Its budget, read in
+    time, is the Python pass's (0.1 s a step: 0.5 s of its 1 s of TPOT left for its last 5 tokens)."""
+    from bullet.policies.bullet import DecodeArrays
+
+    r = decoding(0, 6, 0.0, 11, 105)
+    arrays = DecodeArrays(0.1, [r])
+    assert arrays.view(0.5, False, 0.0, 0.0, L).budget == pytest.approx(0.1)
+    view = arrays.view(0.5, False, 0.0, 0.0, L)
+    r.num_output, r.num_computed = 7, 106
+    arrays.advance(arrays.slots([r]), 1)
+    with pytest.raises(SchedulingError, match="after its decoding requests changed"):
+        _ = view.loan
+    assert view.work == Work(L, 1, 1, 106.0, 106, 1, True, 106)  # (the Work is taken when the view is made)
 
 
 def test_arrays_and_sorted_queue_in_whole_runs(monkeypatch):
@@ -733,6 +752,44 @@ def reference_order(fresh, deadline, target, now, per_token, free, releases, she
     return out + keyed, {r.id for r in late}
 
 
+def test_order_left_unbuilt_while_seats_are_full_changes_no_run(monkeypatch):
+    """_order leaves the queue's order to be built while no seat is free for a fresh request (nobody reads it
+    before the next _order). Runs that always build it give every request the same times, preemptions and
+    rejections: overloads with few seats (full most of the time), a small KV pool (preemptions: requests queued
+    ahead of the fresh ones) and admission control; and the unbuilt path is taken."""
+    import bullet.policies.bullet as mod
+
+    def times(reqs, slo, **cfg):
+        done, steps, sched = run(reqs, slo, **cfg)
+        return (sorted((r.id, r.first_token_time, r.finish_time, r.num_preemptions, r.error) for r in done),
+                len(steps), sched.num_late, sched.num_mixed)
+
+    order, unbuilt = mod.Bullet._order, [0]
+
+    def counted(self, now, build=None):  # (the default's choice, counted: seats full for the fresh requests)
+        k = sum(1 for r in self.waiting if r.id in self.rank)
+        unbuilt[0] += build is None and self.cfg.max_num_seqs - len(self.running) - k <= 0 < len(self.waiting) - k
+        return order(self, now, build)
+
+    def long_outputs(seed):  # long outputs hold the seats while arrivals queue
+        rng = np.random.default_rng(seed)
+        t = np.cumsum(rng.exponential(1 / 60.0, 150))
+        return [Request(i, float(t[i]), int(rng.integers(50, 2000)), int(rng.integers(50, 400))) for i in range(150)]
+
+    slo = SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.05)
+    cases = ((long_outputs(3), {"max_num_seqs": 8}), (long_outputs(4), {"max_num_seqs": 16, "num_blocks": 400}),
+             (long_outputs(5), {"max_num_seqs": 8, "admission_control": True}))
+    for reqs, cfg in cases:
+        with monkeypatch.context() as m:
+            m.setattr(mod.Bullet, "_order", counted)
+            lazy = times([Request(r.id, r.arrival, r.prompt_len, r.max_new_tokens) for r in reqs], slo, **cfg)
+        with monkeypatch.context() as m:
+            m.setattr(mod.Bullet, "_order", lambda self, now, build=None: order(self, now, True))
+            assert times([Request(r.id, r.arrival, r.prompt_len, r.max_new_tokens) for r in reqs], slo, **cfg) \
+                == lazy
+    assert unbuilt[0] > 100, unbuilt
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_order_equals_a_plain_moore_hodgson(seed):
     """Random queues (some requests deferred, a lull now and then, some seats taken by decoding requests, arrivals
@@ -765,6 +822,9 @@ def test_order_equals_a_plain_moore_hodgson(seed):
         sched._order(now)
         if len(fresh) == 1 and not late:  # (the one-request path: nothing moves)
             want = fresh
+        if free <= 0 and not (reject and late):  # no seat for a fresh request: the order is left to be built
+            assert [r.id for r in sched.waiting] == [r.id for r in fresh]
+            sched._order(now, build=True)  # (built: the same late set, counted once)
         assert [r.id for r in sched.waiting] == [r.id for r in want]
         assert late <= sched._late | {r.id for r in sched.rejected} and (reject or late <= sched._late)
         assert not reject or {r.id for r in sched.rejected} >= late
@@ -808,9 +868,15 @@ def test_orders_a_little_apart_equal_a_plain_moore_hodgson(seed):
         deadline, target = dict(sched.deadline), dict(sched.target)
         free, releases = sched._seat_releases(now, 0, len(fresh))
         want, late = reference_order(fresh, deadline, target, now, speed[0], free, releases, shed, False)
+        num_late = sched.num_late
         sched._order(now)
         if len(fresh) == 1 and not late:
             want = fresh
+        if free <= 0:  # no seat for a fresh request: the order is left to be built (and then counts nobody again)
+            assert [r.id for r in sched.waiting] == [r.id for r in fresh]
+            count = sched.num_late
+            sched._order(now, build=True)
+            assert sched.num_late == count >= num_late
         assert [r.id for r in sched.waiting] == [r.id for r in want]
         assert late <= sched._late
         if sched.waiting and rng.random() < 0.4:

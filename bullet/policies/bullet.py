@@ -82,7 +82,6 @@ import heapq
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 
@@ -134,10 +133,46 @@ def add_work(a: Work, b: Work) -> Work:
                            a.kv_read + b.kv_read, a.samples + b.samples, a.embed or b.embed, longer))
 
 
-class DecodeView(NamedTuple):
-    work: Work  # the decoding requests' next step
-    budget: float  # the tightest per-step time that keeps every TPOT at an even pace
-    loan: float  # the tightest next-step time with slack lent (>= budget; == budget when no loans)
+class DecodeView:
+    """The decoding requests' next step (``work``), the tightest per-step time that keeps every TPOT at an even
+    pace (``budget``) and the tightest next-step time with slack lent (``loan``: >= budget; == budget when no
+    loans). Read from :class:`DecodeArrays`, the two times are computed when first read: a prefill decision
+    with the queue blocked reads only the work (the split's knee), and their six array operations over 255
+    decoding requests were ~5 us of its ~60 (bench/policy_decision.py, hot)."""
+
+    __slots__ = ("_budget", "_loan", "_of", "work")
+
+    def __init__(self, work: Work, budget: float | None = None, loan: float | None = None,
+                 of: tuple | None = None) -> None:
+        self.work, self._budget, self._loan, self._of = work, budget, loan, of
+
+    def _times(self) -> None:
+        arrays, version, args = self._of
+        if arrays.version != version:
+            raise SchedulingError("a decode view's budget read after its decoding requests changed")
+        self._budget, self._loan = arrays.budgets(*args)
+
+    @property
+    def budget(self) -> float:
+        if self._budget is None:
+            self._times()
+        return self._budget
+
+    @property
+    def loan(self) -> float:
+        if self._loan is None:
+            self._times()
+        return self._loan
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DecodeView):
+            return NotImplemented
+        return (self.work, self.budget, self.loan) == (other.work, other.budget, other.loan)
+
+    __hash__ = None  # (mutable: its times are filled in when first read)
+
+    def __repr__(self) -> str:
+        return f"DecodeView(work={self.work!r}, budget={self.budget!r}, loan={self.loan!r})"
 
 
 class DecodeArrays:
@@ -145,7 +180,10 @@ class DecodeArrays:
     as requests join (admission), advance (results) and leave (finish, preemption): the view over hundreds of
     decoding requests is then a few array operations instead of a Python pass. Every quantity is what
     :meth:`Bullet._view` computes per request, by the same operations in the same order (numpy's elementwise
-    float64 arithmetic rounds as Python's does), so the budgets are equal to the bit."""
+    float64 arithmetic rounds as Python's does), so the budgets are equal to the bit. The decoding requests'
+    next-step Work is kept as sums (their count, KV tokens and longest context: integers, so the same numbers
+    as the arrays' sums), so that a decode launch coming back costs its one array update, not a regathering
+    (~5 us of a ~15 us view after a launch, bench/policy_decision.py)."""
 
     def __init__(self, tpot: float | None, reqs) -> None:
         self.tpot = tpot
@@ -160,13 +198,19 @@ class DecodeArrays:
         self.tot = np.zeros(64, np.int64)
         self.t1 = np.zeros(64)  # first_token_time (nan: none yet)
         self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
+        # the decoding slots' count, the sum of their num_computed and its largest (None: to be gathered again)
+        self.ndec = 0
+        self.csum: int | None = 0
+        self.cmax: int | None = None
+        self.version = 0  # changes with any change to a decoding slot (a view's lazy budget checks it)
         # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
-        # until a decoding request joins, leaves or syncs; their view's inputs (work, left, a0, t1), until any
-        # change to a decoding slot (a request joining to prefill changes neither: a new job's admission keeps
+        # until a decoding request joins, leaves or syncs; their view's inputs (left, a0, t1), and their Work, until
+        # any change to a decoding slot (a request joining to prefill changes neither: a new job's admission keeps
         # what its decision's seat releases gathered for its view); the running requests' tokens left, sorted
         # (_seat_releases), until any change
         self._dec: tuple | None = None
         self._kept: tuple | None = None
+        self._work: Work | None = None
         self._sorted: np.ndarray | None = None
         for r in reqs:
             self.join(r)
@@ -187,36 +231,79 @@ class DecodeArrays:
     def leave(self, r: Request) -> None:
         s = self.slot.pop(r.id, None)
         if s is not None:
-            self.live[s] = self.dec[s] = False
+            if self.dec[s]:
+                self._drop(s)
+            self.live[s] = False
             heapq.heappush(self.free, s)
-            self._dec = self._kept = self._sorted = None
+            self._sorted = None
+
+    def _drop(self, s: int) -> None:
+        """Take decoding slot ``s``, whose request leaves, out of the count and the sums."""
+        if self.csum is not None:
+            comp = int(self.tot[s] - self.left[s])
+            self.csum -= comp
+            if comp == self.cmax:
+                self.cmax = None
+        self.ndec -= 1
+        self.dec[s] = False
+        self._dec = self._kept = self._work = None
+        self.version += 1
 
     def sync(self, r: Request) -> None:
         """Copy ``r``'s progress into its slot (it joined, or a result changed it)."""
         s = self.slot.get(r.id)
         if s is None:
             return
-        dec = r.num_output > 0
-        if dec or self.dec[s]:  # (a slot that neither was nor is decoding is in no gathered view: kept)
-            self._dec = self._kept = None
-        self.dec[s] = dec
+        was, dec = bool(self.dec[s]), r.num_output > 0
         left = self.left[s] = r.max_new_tokens - r.num_output
         self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
         self._sorted = None
+        if not (was or dec):  # (a slot that neither was nor is decoding is in no gathered view: kept)
+            return
+        self._dec = self._kept = self._work = None
+        self.version += 1
+        if was:  # its old progress is not read back: the sums are gathered again when next asked (a mixed
+            # launch syncs every decoding row; one gather then costs less than a scalar read per row)
+            self.csum = self.cmax = None
+            self.ndec -= 1
+        if dec:
+            self.dec[s] = True
+            self.ndec += 1
+            comp = r.num_computed
+            if self.csum is not None:  # (a first token: its progress joins the sums)
+                self.csum += comp
+                if self.ndec == 1 or (self.cmax is not None and comp > self.cmax):  # (the first: the largest)
+                    self.cmax = comp
+        else:
+            self.dec[s] = False
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
-        if len(reqs) == int(np.count_nonzero(self.dec[:self.size])):
+        if len(reqs) == self.ndec:
             return self._decoding()[0]
         slot = self.slot
         return np.fromiter((slot[r.id] for r in reqs), np.intp, len(reqs))
 
     def advance(self, slots: np.ndarray, steps: int) -> None:
-        """The requests in ``slots`` each decoded ``steps`` tokens (a decode launch came back)."""
+        """The requests in ``slots`` each decoded ``steps`` tokens (a decode launch came back): each decoding one's
+        num_computed grows by ``steps``, and so does the largest when every decoding slot is among them."""
         self.left[slots] -= steps
-        self._kept = self._sorted = None
+        g = self._dec
+        k = self.ndec if g is not None and slots is g[0] else int(np.count_nonzero(self.dec[slots]))
+        if self.csum is not None:
+            self.csum += k * steps
+            if k < self.ndec:
+                self.cmax = None
+            elif self.cmax is not None:
+                self.cmax += steps
+        # every running request decoded as many tokens: their tokens left keep their order (one subtraction
+        # instead of a gather and a sort of 256: ~3 us of the seat releases' ~6, bench/policy_decision.py, hot)
+        sl = self._sorted
+        self._sorted = sl - steps if sl is not None and k == len(self.slot) else None
+        self._kept = self._work = None
+        self.version += 1
 
     def _decoding(self) -> tuple:
         """(the decoding slots, their tot, a0 and t1), gathered once until a request joins, leaves or syncs."""
@@ -233,41 +320,54 @@ class DecodeArrays:
         return self._sorted
 
     def work(self, num_layers: int) -> Work:
-        """The decoding requests' next-step Work (gathered as :meth:`view` gathers it, and kept for it)."""
-        return self._gathered(num_layers)[0]
+        """The decoding requests' next-step Work, from the sums (kept until a decoding slot changes)."""
+        work = self._work
+        if work is None or work.num_layers != num_layers:
+            n, cmax = self.ndec, self.cmax
+            if self.csum is None:  # (a decoding request's progress copied anew: gathered)
+                dec, tot, _, _ = self._decoding()
+                comp = tot - self.left[dec]
+                self.csum, cmax = int(comp.sum()), int(comp.max()) if n else None
+                self.cmax = cmax
+            elif cmax is None and n:  # (the largest left with its slot, or some decoded and others not)
+                dec, tot, _, _ = self._decoding()
+                cmax = self.cmax = int((tot - self.left[dec]).max())
+            kv = self.csum + n
+            work = self._work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, cmax + 1 if n else 0))
+        return work
 
     def view(self, now: float, lend: bool, cap: float, pace: float, num_layers: int) -> DecodeView:
-        """:meth:`Bullet._view` over every decoding request."""
-        work, left, a0, t1 = self._gathered(num_layers)
+        """:meth:`Bullet._view` over every decoding request: its budget and loan computed when first read."""
+        return DecodeView(self.work(num_layers), of=(self, self.version, (now, lend, cap, pace)))
+
+    def budgets(self, now: float, lend: bool, cap: float, pace: float) -> tuple[float, float]:
+        """(budget, loan) of :meth:`Bullet._view` over every decoding request."""
+        left, a0, t1 = self._timed()
         if self.tpot is None or not len(left):
-            return DecodeView(work, math.inf, math.inf)
+            return math.inf, math.inf
         a = a0 - (now - t1)
         on = a > 0
         if np.count_nonzero(on) < len(on):
             a, left = a[on], left[on]
             if not len(a):
-                return DecodeView(work, math.inf, math.inf)
+                return math.inf, math.inf
         b = a / left
         best = float(b.min())
         if not lend:
-            return DecodeView(work, best, best)
+            return best, best
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
-        return DecodeView(work, best, float(x.min()))
+        return best, float(x.min())
 
-    def _gathered(self, num_layers: int) -> tuple:
-        """(the decoding requests' next-step Work, and left, a0, t1 of those with tokens left), once per change."""
+    def _timed(self) -> tuple:
+        """(left, a0, t1) of the decoding requests with tokens left, gathered once per change."""
         kept = self._kept
         if kept is None:
-            dec, tot, a0, t1 = self._decoding()
+            dec, _, a0, t1 = self._decoding()
             left = self.left[dec]
-            comp = tot - left
-            n = len(dec)
-            kv = int(comp.sum()) + n
-            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
-            timed = left > 0  # (a nan first-token time drops out below: nan > 0 is False)
-            if np.count_nonzero(timed) < n:
+            timed = left > 0  # (a nan first-token time drops out in budgets: nan > 0 is False)
+            if np.count_nonzero(timed) < len(dec):
                 left, a0, t1 = left[timed], a0[timed], t1[timed]
-            kept = self._kept = (work, left, a0, t1)
+            kept = self._kept = (left, a0, t1)
         return kept
 
 
@@ -929,11 +1029,13 @@ class Bullet(LayerSliced):
         work, predict, N = view.work, self.latency.predict, self.N
         return self._smallest(sizes, lambda d: predict(work, d, co, N - d) <= budget, "decode_need")
 
-    def _order(self, now: float) -> None:
+    def _order(self, now: float, build: bool | None = None) -> None:
         """Order the fresh part of the queue (preempted requests stay in front, in rank order): the requests
         predicted to meet their TTFT by deadline (or shortest first if that still meets every deadline), the
         rest merged in by deadline + LATE_GRACE targets. With admission control, the rest are rejected. The
-        fresh requests come sorted both ways from ``_by_deadline`` and ``_by_length`` (kept as they come and go)."""
+        fresh requests come sorted both ways from ``_by_deadline`` and ``_by_length`` (kept as they come and go).
+        ``build``: whether the queue is put in that order (None: while a seat is free for a fresh request, see
+        :meth:`_late_ones`); the late set and the rejections are made either way."""
         waiting, rank = self.waiting, self.rank
         k = 0
         while k < len(waiting) and waiting[k].id in rank:
@@ -992,7 +1094,9 @@ class Bullet(LayerSliced):
                 push(kept, item)
             else:
                 kept.append(item)
-        on_time = self._late_ones(now, late, per_token)
+        on_time = self._late_ones(now, late, per_token, free > 0 if build is None else build)
+        if on_time is None:  # (no seat for a fresh request: the queue's order is built when there is one)
+            return
         if k:
             for _ in range(len(waiting) - k):
                 waiting.pop()
@@ -1029,17 +1133,25 @@ class Bullet(LayerSliced):
         left = sorted([r.max_new_tokens - r.num_output for r in self.running])
         return free, [now + step * n for n in left[:fresh - free]]
 
-    def _late_ones(self, now: float, late: list[tuple], per_token: float) -> list[Request]:
+    def _late_ones(self, now: float, late: list[tuple], per_token: float, build: bool = True) -> list[Request] | None:
         """Count the requests predicted to miss their TTFT (``late``: the entries of ``_order``'s items); reject them
         (admission control) or merge each in before the first on-time request due after its key (its deadline
         + LATE_GRACE targets). Returns the queue's new fresh part: the on-time requests shortest first where
-        that breaks none of their deadlines, else by deadline, with the late ones merged in."""
+        that breaks none of their deadlines, else by deadline, with the late ones merged in; None, without
+        building it, when not ``build`` and nobody is rejected. ``_order`` builds it only while a seat is free
+        for a fresh request: with none, nobody reads the fresh part's order before the next ``_order`` (which
+        builds it afresh from the sorted lists; a job forms only after one, and only a job's decisions read the
+        order without ordering first), and with seats full the two walks were ~a fifth of the order's
+        instructions (64 queued: bench/policy_decision.py --callgrind). The late set is kept up to date at every
+        order: the mixed launch's check reads it."""
         skip = {e[1] for e in late}
         fresh_late = skip - self._late
         if fresh_late:
             self.num_late += len(fresh_late)
             self._late |= fresh_late
         reject = self.cfg.admission_control
+        if not build and not (reject and late):
+            return None
         keyed = [] if reject else sorted([e[4] for e in late])  # ((late key, id, request): _late_key's sum)
         out = None
         if len(self._by_deadline) - len(skip) > 1:
