@@ -580,8 +580,8 @@ class Bullet(LayerSliced):
         launches: each one reads every decoding request's KV once); then the job's chunks and a decode chunk of
         every decoding request run on the whole GPU, all layers (a decode row needs them all)."""
         decoders = self._decoders()
-        kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
-        grow = [(r.id, r.num_computed + 1) for r in decoders if r.num_computed >= len(tables[r.id]) * bs]
+        kv, bs, held = self.kv, self.kv.block_size, self.kv.held
+        grow = [(r.id, r.num_computed + 1) for r in decoders if r.num_computed >= held[r.id] * bs]
         if len(grow) > kv.num_free:
             return None
         if grow:
