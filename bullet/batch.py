@@ -46,23 +46,29 @@ class DecodeChunks(Sequence[Chunk]):
     instructions: 6 % of a static-split simulation (bench/RESULTS.md, fourteenth speed pass); naming the blocks a
     fused stretch reserved cost half of a bullet decode decision (issue 10). An executor reads them at launch; a
     request whose KV was freed before they are first read (an update streamed after its end) gets no block ids.
+    With ``ids``, ``starts`` are the starts of the requests ``ids`` names, both arrays in any order (a policy's
+    decode arrays, taken in slot order), paired with ``reqs`` when first read: no pass over the requests until then.
     Equal to, and hashed as, the tuple of those chunks; every chunk samples."""
 
-    __slots__ = ("_kv", "_made", "_reqs", "_starts")
+    __slots__ = ("_ids", "_kv", "_made", "_reqs", "_starts")
 
-    def __init__(self, reqs: Sequence, starts: Sequence[int], kv) -> None:
-        self._reqs, self._starts, self._kv, self._made = reqs, starts, kv, None
+    def __init__(self, reqs: Sequence, starts: Sequence[int], kv, ids=None) -> None:
+        self._reqs, self._starts, self._kv, self._ids, self._made = reqs, starts, kv, ids, None
 
     def _tuple(self) -> tuple[Chunk, ...]:
         if self._made is None:
+            starts = self._starts
+            if self._ids is not None:
+                by_id = dict(zip(self._ids.tolist(), starts.tolist()))
+                starts = [by_id[r.id] for r in self._reqs]
             new, kv = tuple.__new__, self._kv  # (as Scheduler._decode_chunks makes them)
             tables, table = kv.tables, kv.table
             self._made = tuple([new(Chunk, (r.id, s, 1, table(r.id) if r.id in tables else (), True, None, r.sampling))
-                                for r, s in zip(self._reqs, self._starts)])
+                                for r, s in zip(self._reqs, starts)])
         return self._made
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return len(self._reqs)
 
     def __getitem__(self, i):
         return self._tuple()[i]

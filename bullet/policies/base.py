@@ -114,11 +114,14 @@ class Scheduler:
         outside the scheduler happens (an arrival); fused decode stretches end there."""
         raise NotImplementedError
 
-    def _launch(self, lane: Lane, batch: Batch, reqs: list[Request]) -> Batch:
+    def _launch(self, lane: Lane, batch: Batch, reqs: list[Request], ids: list[int] | None = None) -> Batch:
+        """Hold ``batch`` in flight on ``lane`` with its requests (``ids``: theirs in any order, where the caller
+        has them)."""
         if self._new_hits:  # prefix-cache hits of the requests admitted into this launch
             batch = replace(batch, cached_tokens=self._new_hits)
             self._new_hits = 0
-        ids = [r.id for r in reqs]
+        if ids is None:
+            ids = [r.id for r in reqs]
         self.inflight[lane] = (batch, reqs, ids)
         self.busy.update(ids)
         if self.ahead is not None:

@@ -86,7 +86,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..batch import Batch, Chunk, Lane, Partition, StepResult
+from ..batch import Batch, Chunk, DecodeChunks, Lane, Partition, StepResult
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import batch_work, new_work, note_work, step_times
@@ -145,10 +145,15 @@ class DecodeArrays:
     as requests join (admission), advance (results) and leave (finish, preemption): the view over hundreds of
     decoding requests is then a few array operations instead of a Python pass. Every quantity is what
     :meth:`Bullet._view` computes per request, by the same operations in the same order (numpy's elementwise
-    float64 arithmetic rounds as Python's does), so the budgets are equal to the bit."""
+    float64 arithmetic rounds as Python's does), so the budgets are equal to the bit. With the block manager
+    (``kv``), each slot also mirrors its request's id and the blocks its table holds (``BlockManager.held``), so
+    that a decode launch of every decoding request finds who needs blocks and reserves them in a few array
+    operations (:meth:`Bullet._array_decode`): a decoding request's blocks change only there, in a decode launch
+    planned without the arrays (:meth:`note_held` after it) or when it leaves."""
 
-    def __init__(self, tpot: float | None, reqs) -> None:
+    def __init__(self, tpot: float | None, reqs, kv=None) -> None:
         self.tpot = tpot
+        self._held = kv.held if kv is not None else {}  # the block manager's blocks held, by request
         self.slot: dict[int, int] = {}  # request id -> slot
         self.free: list[int] = []  # freed slots (a heap: the lowest is reused first)
         self.size = 0  # slots ever used: the arrays' live prefix
@@ -160,12 +165,15 @@ class DecodeArrays:
         self.tot = np.zeros(64, np.int64)
         self.t1 = np.zeros(64)  # first_token_time (nan: none yet)
         self.a0 = np.zeros(64)  # tpot * (max_new_tokens - 1)
+        self.ids = np.zeros(64, np.int64)  # request id
+        self.held = np.zeros(64, np.int64)  # blocks its table holds (mirrors BlockManager.held)
         # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
         # until a decoding request joins, leaves or syncs; their view's inputs (work, left, a0, t1), until any
         # change to a decoding slot (a request joining to prefill changes neither: a new job's admission keeps
         # what its decision's seat releases gathered for its view); the running requests' tokens left, sorted
         # (_seat_releases), until any change
         self._dec: tuple | None = None
+        self._step: tuple | None = None  # (left, num_computed, next-step Work) of the decoding slots, per change
         self._kept: tuple | None = None
         self._sorted: np.ndarray | None = None
         for r in reqs:
@@ -177,11 +185,12 @@ class DecodeArrays:
         else:
             s, self.size = self.size, self.size + 1
             if s == len(self.dec):  # grow: double every array
-                for name in ("live", "dec", "left", "tot", "t1", "a0"):
+                for name in ("live", "dec", "left", "tot", "t1", "a0", "ids", "held"):
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.slot[r.id] = s
         self.live[s] = True
+        self.ids[s] = r.id
         self.sync(r)
 
     def leave(self, r: Request) -> None:
@@ -189,7 +198,7 @@ class DecodeArrays:
         if s is not None:
             self.live[s] = self.dec[s] = False
             heapq.heappush(self.free, s)
-            self._dec = self._kept = self._sorted = None
+            self._dec = self._step = self._kept = self._sorted = None
 
     def sync(self, r: Request) -> None:
         """Copy ``r``'s progress into its slot (it joined, or a result changed it)."""
@@ -198,13 +207,26 @@ class DecodeArrays:
             return
         dec = r.num_output > 0
         if dec or self.dec[s]:  # (a slot that neither was nor is decoding is in no gathered view: kept)
-            self._dec = self._kept = None
+            self._dec = self._step = self._kept = None
         self.dec[s] = dec
         left = self.left[s] = r.max_new_tokens - r.num_output
         self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
+        self.held[s] = self._held.get(r.id, 0)
         self._sorted = None
+
+    def note_held(self, req_ids) -> None:
+        """The tables of ``req_ids`` grew outside :meth:`Bullet._array_decode`: mirror what they hold now."""
+        slot, held, kv_held = self.slot, self.held, self._held
+        for i in req_ids:
+            s = slot.get(i)
+            if s is not None:
+                held[s] = kv_held.get(i, 0)
+
+    def decoding_count(self) -> int:
+        """How many slots hold a decoding request."""
+        return len(self._decoding()[0])
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
@@ -216,7 +238,7 @@ class DecodeArrays:
     def advance(self, slots: np.ndarray, steps: int) -> None:
         """The requests in ``slots`` each decoded ``steps`` tokens (a decode launch came back)."""
         self.left[slots] -= steps
-        self._kept = self._sorted = None
+        self._step = self._kept = self._sorted = None
 
     def _decoding(self) -> tuple:
         """(the decoding slots, their tot, a0 and t1), gathered once until a request joins, leaves or syncs."""
@@ -253,6 +275,20 @@ class DecodeArrays:
             return DecodeView(work, best, best)
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
         return DecodeView(work, best, float(x.min()))
+
+    def step(self, num_layers: int) -> tuple:
+        """(tokens left, num_computed, the next step's Work) of the decoding slots (in slot order), once per change,
+        for a decode launch planned from the arrays (not to be written to). The Work is :meth:`work`'s."""
+        step = self._step
+        if step is None:
+            dec, tot = self._decoding()[:2]
+            left = self.left[dec]
+            comp = tot - left
+            n = len(dec)
+            kv = int(comp.sum()) + n
+            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
+            step = self._step = (left, comp, work)
+        return step
 
     def _gathered(self, num_layers: int) -> tuple:
         """(the decoding requests' next-step Work, and left, a0, t1 of those with tokens left), once per change."""
@@ -586,6 +622,8 @@ class Bullet(LayerSliced):
             return None
         if grow:
             kv.grow(grow)
+            if self._arrays is not None:
+                self._arrays.note_held([rid for rid, _ in grow])
         chunks, reqs, _ = self.job
         L, N, limit, budget = self.model.num_layers, self.N, self._mixed_limit(view), self.cfg.max_batched_tokens
         work = add_work(self._job_work(self.all_layers), view.work)
@@ -718,13 +756,14 @@ class Bullet(LayerSliced):
         return self._smallest(sizes, lambda p: predict(rest, p) <= budget, "prefill_need")
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
-        decoders = self._decoders()
+        fast = self._array_decoders()
+        decoders = fast if fast is not None else self._decoders()
         if not decoders:
             return None
         pre = self.inflight.get("prefill")
         if pre is None:  # nothing to prefill now (it would have launched first): the whole GPU
-            batch = self._decode_batch("decode", self._part("decode", self.N), decoders, now,
-                                       self.arrival_horizon(horizon))
+            batch = self._decode_launch(self._part("decode", self.N), decoders, fast is not None, now,
+                                        self.arrival_horizon(horizon))
             self._note_decode_end(batch, now, None, 0)
             return batch
         p = pre[0].partition.num_sms
@@ -732,9 +771,124 @@ class Bullet(LayerSliced):
             return None  # prefill holds the whole GPU for this slice
         co = self._slice_work  # the prefill slice in flight
         d = self.N - p  # all that prefill left (its size already counted what decode needs)
-        batch = self._decode_batch("decode", self._part("decode", d), decoders, now, None, co, p, self._slice_end)
+        batch = self._decode_launch(self._part("decode", d), decoders, fast is not None, now, None, co, p,
+                                    self._slice_end)
         self._note_decode_end(batch, now, co, p)
         return batch
+
+    def _array_decoders(self) -> list[Request] | None:
+        """``_decoders()`` read off the arrays, when they can tell, without touching the requests: every decoding
+        slot's request is idle and has only its last sampled token to feed unless it is in a launch in flight or
+        mid-prompt (``busy``, ``partial``: a few requests, the job's), so when none of those decodes, the decoders
+        are the running requests with a token out, in running order: all of them, or all but those few (found by
+        rank: ``running`` is sorted by it). None without the arrays or when one of those decodes (a preempted
+        request recomputing)."""
+        arrays = self._decode_arrays()
+        if arrays is None:
+            return None
+        slot, dec = arrays.slot, arrays.dec
+        idle = set()  # running requests with no token out: the job's
+        for ids in (self.busy, self.partial):
+            for i in ids:
+                s = slot.get(i)
+                if s is not None:
+                    if dec[s]:
+                        return None
+                    idle.add(i)
+        running = self.running
+        if len(running) - arrays.decoding_count() != len(idle):  # (cannot be: a pass, to be sure)
+            return [r for r in running if r.num_output]
+        if not idle:
+            return list(running)
+        rank = self.rank
+        at = sorted([bisect_left(running, rank[i], key=lambda r: rank[r.id]) for i in idle])
+        out, prev = [], 0
+        for k in at:
+            out += running[prev:k]
+            prev = k + 1
+        out += running[prev:]
+        return out
+
+    def _decode_launch(self, partition: Partition, reqs: list[Request], fast: bool, now: float,
+                       horizon: float | None, co: Work | None = None, co_sms: int = 0, co_end=None) -> Batch | None:
+        """``_decode_batch`` of ``reqs``: from the arrays when ``fast`` (they are every decoding slot), unless
+        the pool is short of a block for one of them (then the Python path, which evicts by priority); the
+        arrays' mirror of the tables then catches up."""
+        if fast:
+            batch = self._array_decode(partition, reqs, now, horizon, co, co_sms, co_end)
+            if batch is not None:
+                return batch
+        batch = self._decode_batch("decode", partition, reqs, now, horizon, co, co_sms, co_end)
+        if self._arrays is not None:
+            self._arrays.note_held([r.id for r in reqs])
+        return batch
+
+    def _array_decode(self, partition: Partition, reqs: list[Request], now: float, horizon: float | None,
+                      co: Work | None, co_sms: int, co_end) -> Batch | None:
+        """``_decode_batch`` (its ``_one_step`` and ``_stretch``) over every decoding request, ``reqs``, from the
+        arrays: who needs a block for the first step, the stretch's steps (first completion, max_decode_steps,
+        riding past ends, the KV pool, the horizon) and the blocks it needs, each a few array operations, then
+        one reservation (``BlockManager.reserve``) for every table that grows. The same numbers as the Python
+        path, whose per-request passes (five) and growing of every table (a Python statement each) cost
+        ~300 us of a 104-step stretch's decision over 256 requests on this VM (bench/RESULTS.md, issue 10).
+        None, with nothing changed, when the pool cannot give every request its first step's block."""
+        arrays, kv, cfg = self._arrays, self.kv, self.cfg
+        bs, L = kv.block_size, self.model.num_layers
+        dec = arrays._decoding()[0]
+        left, comp, work = arrays.step(L)  # comp: each request's num_computed, where its first step writes
+        had = arrays.held[dec]
+        spare = had * bs - comp  # tokens that fit in its blocks: 0 needs a block for the first step (_one_step)
+        free = kv.num_free - int(np.count_nonzero(spare == 0))
+        if free < 0:
+            return None
+        if co_end is not None:
+            horizon = co_end(work, partition.num_sms, now)
+        extra = int(left.min())  # steps after the first: as _stretch counts them
+        if cfg.max_decode_steps < extra:  # noqa: PLR1730 -- min(): see _stretch
+            extra = cfg.max_decode_steps
+        extra -= 1
+        if self.ride_past_end and horizon is not None and co is None and not self.waiting \
+                and len(self.running) < cfg.max_num_seqs and self.ahead is None:
+            extra = max(extra, min(cfg.max_decode_steps, int(left.max()), self.model.max_position - int(comp.max()))
+                        - 1)
+        if extra > 0 and len(dec) * (extra // bs + 1) > free:  # the pool may be short: count
+            extra = self._kv_steps_of(np.where(spare == 0, bs, spare) - 1, extra, free)
+        if extra > 0 and horizon is not None:
+            extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
+        if extra < 0:  # noqa: PLR1730 -- max(): see _stretch
+            extra = 0
+        ids = arrays.ids[dec]
+        id_list = ids.tolist()
+        grown = np.flatnonzero(spare <= extra)  # short of comp + extra + 1 tokens
+        if len(grown) == len(dec):  # (every table: a long stretch)
+            blocks = (comp + (extra + bs)) // bs  # blocks_for(comp + extra + 1)
+            kv.reserve(id_list, blocks.tolist(), int((blocks - had).sum()))
+            arrays.held[dec] = blocks
+        elif len(grown):
+            blocks = (comp[grown] + (extra + bs)) // bs
+            kv.reserve(ids[grown].tolist(), blocks.tolist(), int((blocks - had[grown]).sum()))
+            arrays.held[dec[grown]] = blocks
+        batch = Batch(partition, self.all_layers, DecodeChunks(reqs, comp, kv, ids), extra + 1)
+        note_work(self.latency, batch, L, work)  # the simulator needs it too
+        return self._launch("decode", batch, reqs, id_list)
+
+    def _kv_steps_of(self, spare: np.ndarray, steps: int, free: int) -> int:
+        """``_kv_steps`` over an array: the most steps (<= ``steps``, >= 0) that every request can grow by within
+        ``free`` blocks; ``spare``: tokens that still fit in each request's blocks."""
+        bs = self.kv.block_size
+
+        def need(k: int) -> int:
+            d = k - spare
+            d = d[d > 0]
+            return int(((d + bs - 1) // bs).sum())
+
+        if need(steps) <= free:
+            return steps
+        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
 
     def _slice_end(self, work: Work, d: int, now: float) -> float:
         """When the prefill slice in flight is predicted to end once the decode launch ``work`` on ``d`` SMs
@@ -851,7 +1005,7 @@ class Bullet(LayerSliced):
         ARRAYS_UNTIL (below a few dozen requests a Python pass beats numpy's per-call cost); None between."""
         n = len(self.running)
         if self._arrays is None and n >= ARRAYS_FROM:
-            self._arrays = DecodeArrays(self.slo.tpot, self.running)
+            self._arrays = DecodeArrays(self.slo.tpot, self.running, self.kv)
         elif self._arrays is not None and n <= ARRAYS_UNTIL:
             self._arrays = None
         return self._arrays
