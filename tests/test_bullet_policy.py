@@ -1022,7 +1022,8 @@ def test_decode_from_the_arrays_equals_the_python_path(monkeypatch, num_blocks):
     """bullet's decode launches planned from the decode arrays (``_array_decode``) are the Python path's: the same
     launches (lane, SMs, steps, requests, starts) and per-request times, with and without preemption. Along the way
     the arrays' decoders are ``_decoders()``, their mirror of the tables is ``BlockManager.held``, the pool's
-    invariants hold, and a decode launch's chunks, read, name every block their stretch writes."""
+    invariants hold, a decode launch's chunks, read, name every block their stretch writes, and its requests are
+    held (no abort) while it is in flight though not in ``busy``."""
     from bullet.policies.bullet import Bullet
 
     slo = SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.08)
@@ -1035,11 +1036,17 @@ def test_decode_from_the_arrays_equals_the_python_path(monkeypatch, num_blocks):
         plain = Bullet._array_decoders
 
         def checked(now, horizon):
+            assert sched._flight_ids is None  # (the decode lane is idle: its last launch came back)
             fast = plain(sched) if arrays else None
             if fast is not None:
                 seen["fast"] += 1
                 assert [r.id for r in fast] == [r.id for r in sched._decoders()]
             batch = Bullet._schedule_decode(sched, now, horizon)
+            if sched._flight_ids is not None:  # planned from the arrays: its requests are held, though not in busy
+                rid = sched._flight_ids[-1]
+                assert sched.holds(rid) and rid not in sched.busy and not sched.holds(-1)
+                with pytest.raises(SchedulingError):
+                    sched.abort(rid, now)
             if batch is not None and fast is not None and batch.steps > 1:
                 for c in batch.chunks:  # (names the reserved blocks, as an executor's read does)
                     assert len(c.block_ids) * 16 >= c.start + batch.steps

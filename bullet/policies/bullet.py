@@ -174,6 +174,7 @@ class DecodeArrays:
         # (_seat_releases), until any change
         self._dec: tuple | None = None
         self._step: tuple | None = None  # (left, num_computed, next-step Work) of the decoding slots, per change
+        self._ids: tuple | None = None  # (their ids as an array, as a list), until a decoding slot changes
         self._kept: tuple | None = None
         self._sorted: np.ndarray | None = None
         for r in reqs:
@@ -198,7 +199,7 @@ class DecodeArrays:
         if s is not None:
             self.live[s] = self.dec[s] = False
             heapq.heappush(self.free, s)
-            self._dec = self._step = self._kept = self._sorted = None
+            self._dec = self._ids = self._step = self._kept = self._sorted = None
 
     def sync(self, r: Request) -> None:
         """Copy ``r``'s progress into its slot (it joined, or a result changed it)."""
@@ -207,7 +208,7 @@ class DecodeArrays:
             return
         dec = r.num_output > 0
         if dec or self.dec[s]:  # (a slot that neither was nor is decoding is in no gathered view: kept)
-            self._dec = self._step = self._kept = None
+            self._dec = self._ids = self._step = self._kept = None
         self.dec[s] = dec
         left = self.left[s] = r.max_new_tokens - r.num_output
         self.tot[s] = r.num_computed + left
@@ -230,8 +231,9 @@ class DecodeArrays:
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
-        if len(reqs) == int(np.count_nonzero(self.dec[:self.size])):
-            return self._decoding()[0]
+        dec = self._decoding()[0]
+        if len(reqs) == len(dec):
+            return dec
         slot = self.slot
         return np.fromiter((slot[r.id] for r in reqs), np.intp, len(reqs))
 
@@ -276,6 +278,15 @@ class DecodeArrays:
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
         return DecodeView(work, best, float(x.min()))
 
+    def decoding_ids(self) -> tuple:
+        """(the decoding slots' request ids as an array, and as a list), gathered once until one joins, leaves or
+        syncs (a numpy call costs 7-19k instructions whatever its length: bench/RESULTS.md, issue 10)."""
+        g = self._ids
+        if g is None:
+            ids = self.ids[self._decoding()[0]]
+            g = self._ids = (ids, ids.tolist())
+        return g
+
     def step(self, num_layers: int) -> tuple:
         """(tokens left, num_computed, the next step's Work) of the decoding slots (in slot order), once per change,
         for a decode launch planned from the arrays (not to be written to). The Work is :meth:`work`'s."""
@@ -309,7 +320,7 @@ class DecodeArrays:
 
 class Bullet(LayerSliced):
     __slots__ = ("N", "_arrays", "_by_deadline", "_by_length", "_decode_end", "_decode_slots", "_decode_until",
-                 "_hold", "_job_sums", "_last", "_late", "_parts", "_paused", "_per_token", "_queued", "_recent",
+                 "_flight_ids", "_hold", "_job_sums", "_last", "_late", "_parts", "_paused", "_per_token", "_queued", "_recent",
                  "_shed", "_slice_rate", "_slice_work", "_targets", "deadline", "dec_sizes", "layers_step", "num_late",
                  "num_mixed", "num_paused", "num_shed", "pre_sizes", "prefill_until", "target", "token_target")
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
@@ -356,6 +367,9 @@ class Bullet(LayerSliced):
         self._by_length: list[tuple[int, int, float, Request]] = []
         self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
         self._arrays: DecodeArrays | None = None  # while many requests run (ARRAYS_FROM)
+        # the ids of a decode launch planned from the arrays while it is in flight, kept out of ``busy`` (holds());
+        # adding them and taking them out again cost ~40k instructions a launch of 256 requests
+        self._flight_ids: list[int] | None = None
         self._decode_slots: tuple[Batch, DecodeArrays, np.ndarray] | None = None  # the decode launch in flight's
         # [arrival, known tokens, max_new_tokens, whole-GPU work or None until asked] of the last SHED_WINDOW's arrivals
         self._recent: deque[list] = deque()
@@ -828,19 +842,26 @@ class Bullet(LayerSliced):
         """``_decode_batch`` (its ``_one_step`` and ``_stretch``) over every decoding request, ``reqs``, from the
         arrays: who needs a block for the first step, the stretch's steps (first completion, max_decode_steps,
         riding past ends, the KV pool, the horizon) and the blocks it needs, each a few array operations, then
-        one reservation (``BlockManager.reserve``) for every table that grows. The same numbers as the Python
-        path, whose per-request passes (five) and growing of every table (a Python statement each) cost
-        ~300 us of a 104-step stretch's decision over 256 requests on this VM (bench/RESULTS.md, issue 10).
-        None, with nothing changed, when the pool cannot give every request its first step's block."""
+        one reservation (``BlockManager.reserve``) for every table that grows; the launch's requests are held by
+        their ids (``_flight_ids``, :meth:`holds`) instead of in ``busy``. The same numbers as the Python path,
+        whose per-request passes (five) and growing of every table (a Python statement each) cost ~300 us of a
+        104-step stretch's decision over 256 requests on this VM (bench/RESULTS.md, issue 10). Each array
+        operation costs 7-19k instructions whatever its length, so the answers that need none are not asked
+        (the exact count of first-step blocks, the indices when every table grows). None, with nothing changed,
+        when the pool cannot give every request its first step's block."""
         arrays, kv, cfg = self._arrays, self.kv, self.cfg
         bs, L = kv.block_size, self.model.num_layers
         dec = arrays._decoding()[0]
         left, comp, work = arrays.step(L)  # comp: each request's num_computed, where its first step writes
         had = arrays.held[dec]
         spare = had * bs - comp  # tokens that fit in its blocks: 0 needs a block for the first step (_one_step)
-        free = kv.num_free - int(np.count_nonzero(spare == 0))
+        # free blocks after the first step's: at least num_free less one each, counted only where that bound
+        # could change an answer (a numpy call costs ~10k instructions)
+        free, exact = kv.num_free - len(dec), False
         if free < 0:
-            return None
+            free, exact = kv.num_free - int(np.count_nonzero(spare == 0)), True
+            if free < 0:
+                return None
         if co_end is not None:
             horizon = co_end(work, partition.num_sms, now)
         extra = int(left.min())  # steps after the first: as _stretch counts them
@@ -851,14 +872,15 @@ class Bullet(LayerSliced):
                 and len(self.running) < cfg.max_num_seqs and self.ahead is None:
             extra = max(extra, min(cfg.max_decode_steps, int(left.max()), self.model.max_position - int(comp.max()))
                         - 1)
+        if extra > 0 and len(dec) * (extra // bs + 1) > free and not exact:
+            free, exact = kv.num_free - int(np.count_nonzero(spare == 0)), True
         if extra > 0 and len(dec) * (extra // bs + 1) > free:  # the pool may be short: count
             extra = self._kv_steps_of(np.where(spare == 0, bs, spare) - 1, extra, free)
         if extra > 0 and horizon is not None:
             extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
         if extra < 0:  # noqa: PLR1730 -- max(): see _stretch
             extra = 0
-        ids = arrays.ids[dec]
-        id_list = ids.tolist()
+        ids, id_list = arrays.decoding_ids()
         grown = np.flatnonzero(spare <= extra)  # short of comp + extra + 1 tokens
         if len(grown) == len(dec):  # (every table: a long stretch)
             blocks = (comp + (extra + bs)) // bs  # blocks_for(comp + extra + 1)
@@ -870,7 +892,9 @@ class Bullet(LayerSliced):
             arrays.held[dec[grown]] = blocks
         batch = Batch(partition, self.all_layers, DecodeChunks(reqs, comp, kv, ids), extra + 1)
         note_work(self.latency, batch, L, work)  # the simulator needs it too
-        return self._launch("decode", batch, reqs, id_list)
+        batch = self._launch("decode", batch, reqs, ())
+        self._flight_ids = id_list
+        return batch
 
     def _kv_steps_of(self, spare: np.ndarray, steps: int, free: int) -> int:
         """``_kv_steps`` over an array: the most steps (<= ``steps``, >= 0) that every request can grow by within
@@ -927,7 +951,18 @@ class Bullet(LayerSliced):
             self._decode_until, self._decode_end = now + float(times.sum()), None
         return self._decode_until
 
+    def holds(self, req_id: int) -> bool:
+        """``Scheduler.holds``, and the requests of a decode launch planned from the arrays (not in ``busy``: while
+        it is in flight nothing bullet plans reads ``busy`` for them, as the decode lane plans nothing then and
+        the prefill lane takes only queued requests)."""
+        if super().holds(req_id):
+            return True
+        ids = self._flight_ids
+        return ids is not None and req_id in ids
+
     def on_result(self, res: StepResult) -> list[Request]:
+        if res.batch.partition.lane == "decode":
+            self._flight_ids = None
         arrays = self._arrays
         if arrays is None:
             self._decode_slots = None
