@@ -62,9 +62,11 @@ class DecodeChunks(Sequence[Chunk]):
                 by_id = dict(zip(self._ids.tolist(), starts.tolist()))
                 starts = [by_id[r.id] for r in self._reqs]
             new, kv = tuple.__new__, self._kv  # (as Scheduler._decode_chunks makes them)
-            tables, table = kv.tables, kv.table
-            self._made = tuple([new(Chunk, (r.id, s, 1, table(r.id) if r.id in tables else (), True, None, r.sampling))
-                                for r, s in zip(self._reqs, starts)])
+            ids = [r.id for r in self._reqs]
+            tables = kv.named(ids) if all(map(kv.tables.__contains__, ids)) else \
+                [kv.table(i) if i in kv.tables else () for i in ids]
+            self._made = tuple([new(Chunk, (r.id, s, 1, t, True, None, r.sampling))
+                                for r, s, t in zip(self._reqs, starts, tables)])
         return self._made
 
     def __len__(self) -> int:

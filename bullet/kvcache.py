@@ -205,14 +205,20 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - held
         if need > self.num_free:
             raise KvCacheError(f"request {req_id} needs {need} blocks, {self.num_free} free")
-        if req_id not in self.tables:
-            self.tables[req_id] = []
+        table = self.tables.get(req_id)
+        if table is None:
+            table = self.tables[req_id] = []
         if need > 0:
             self._set_aside(need)
-            self.held[req_id] = held + need
-        else:
-            self.held[req_id] = held
-        return self.table(req_id)
+            held += need
+        self.held[req_id] = held
+        n = held - len(table)
+        if n > 0:  # (table(), inline: one call per prefill chunk)
+            free = self._free
+            table.extend(free[:-n - 1:-1])  # the top n, in pop order
+            del free[-n:]
+            self._reserved -= n
+        return table
 
     def table(self, req_id: int) -> list[int]:
         """``req_id``'s table with every block it holds named: its reserved blocks get ids now, from the top of
@@ -225,6 +231,12 @@ class BlockManager:
             del free[-n:]
             self._reserved -= n
         return table
+
+    def named(self, req_ids: list[int]) -> list[list[int]]:
+        """:meth:`table` of each of ``req_ids``, the call made only for a table with reserved blocks (a method call
+        per table cost 60 ms of bullet's 5 s cProfiled simulation of 3,000 Azure conversation requests)."""
+        tables, held, table = self.tables, self.held, self.table
+        return [t if len(t) == held[i] else table(i) for i, t in zip(req_ids, map(tables.__getitem__, req_ids))]
 
     def name(self, req_ids) -> None:
         """:meth:`table` for each of ``req_ids`` (their chunks hold the live lists: an executor reads them)."""
@@ -241,19 +253,24 @@ class BlockManager:
 
     def grow(self, wants: list[tuple[int, int]]) -> None:
         """Make each of many existing tables hold its number of tokens (the fused-decode hot path), all or
-        nothing; the new blocks are reserved, named when the table is read (:meth:`table`)."""
+        nothing. The new blocks are reserved, named when the table is read (:meth:`table`): the simulator never
+        reads a decode launch's tables (naming a few tables' blocks at once instead cost static-split ~55M more
+        instructions over 3,000 Azure conversation requests, 2,892M -> 2,946M)."""
         bs, held = self.block_size, self.held
-        ids, blocks = [], []
+        grown = []
         total = 0
         for rid, tokens in wants:
             want = -(-tokens // bs)
             n = want - held[rid]
             if n > 0:
-                ids.append(rid)
-                blocks.append(want)
+                grown.append((rid, want))
                 total += n
-        if total:
-            self.reserve(ids, blocks, total)
+        if not total:
+            return
+        if total > self.num_free:
+            raise KvCacheError(f"{len(wants)} requests need {total} blocks, {self.num_free} free")
+        held.update(grown)
+        self._set_aside(total)
 
     def reserve(self, req_ids: list[int], blocks: list[int], added: int) -> None:
         """Make each table of ``req_ids`` hold ``blocks`` blocks (each at least what it holds), ``added`` more in

@@ -59,6 +59,21 @@ class KvMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def reserve_many(self, data):
+        # the lazy path (a fused stretch over many tables): blocks reserved, no ids yet
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=5, unique=True))
+        wants = {rid: self.tokens[rid] + 17 for rid in rids}
+        blocks = [-(-wants[rid] // 16) for rid in rids]
+        added = sum(b - self.kv.held[rid] for rid, b in zip(rids, blocks))
+        if added <= self.kv.num_free:
+            self.kv.reserve(rids, blocks, added)
+            self.tokens.update(wants)
+        else:
+            with pytest.raises(KvCacheError):
+                self.kv.reserve(rids, blocks, added)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def read(self, data):
         # a table read names its reserved blocks: as long as what it holds, the named ones kept, no id twice
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
@@ -120,7 +135,7 @@ def test_grow_reserves_and_a_read_names():
     kv = BlockManager(10, 4)
     a, b = list(kv.allocate(0, 5)), list(kv.allocate(1, 4))
     assert a == [0, 1] and b == [2]
-    kv.grow([(0, 13), (1, 9)])
+    kv.reserve([0, 1], [4, 3], 4)
     assert kv.held == {0: 4, 1: 3} and kv.tables == {0: [0, 1], 1: [2]} and kv.num_free == 3
     kv.check()
     # A read names A's two: the next ids off the free stack, after its own
@@ -138,10 +153,23 @@ def test_grow_reserves_and_a_read_names():
     kv.check()
 
 
+def test_grow_reserves_for_many_tables():
+    # 8 tables of 1 block (4 tokens) in a pool of 40: growing all 8 to 3 blocks reserves 8 x 2 = 16 and names
+    # none; read, they hold the 24 lowest ids
+    kv = BlockManager(40, 4)
+    for i in range(8):
+        kv.allocate(i, 4)
+    kv.grow([(i, 12) for i in range(8)])
+    assert all(kv.held[i] == 3 and len(kv.tables[i]) == 1 for i in range(8)) and kv.num_free == 16
+    kv.check()
+    assert sorted(b for i in range(8) for b in kv.table(i)) == list(range(24))
+    kv.check()
+
+
 def test_check_catches_a_broken_reservation():
     kv = BlockManager(8, 4)
     kv.allocate(0, 4)
-    kv.grow([(0, 12)])
+    kv.reserve([0], [3], 2)
     kv._reserved -= 1  # a reserved block counted free again
     with pytest.raises(KvCacheError, match="owed"):
         kv.check()
@@ -168,7 +196,7 @@ def test_reserved_blocks_evict_the_cache_when_the_plain_ones_run_short():
     assert kv.num_cached == 2 and kv.num_free == 4
     kv.allocate(1, 4)
     assert kv.num_free == 2 and kv.num_cached == 2
-    kv.grow([(1, 6)])
+    kv.reserve([1], [3], 1)
     assert kv.num_cached == 1 and kv.num_free == 1 and len(kv.tables[1]) == 2
     kv.check()
     assert len(set(kv.table(1))) == 3

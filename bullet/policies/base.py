@@ -348,8 +348,11 @@ class Scheduler:
         ids = None
         if req.prompt_ids is not None:
             ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
+        table = self.kv.tables[req.id]
+        if len(table) != self.kv.held[req.id]:  # (its callers allocate first, which names every block)
+            table = self.kv.table(req.id)
         # (a plain tuple of Chunk's type, as _decode_chunks makes them: the same object at half Chunk()'s cost)
-        return tuple.__new__(Chunk, (req.id, start, n, self.kv.table(req.id), start + n == known, ids, req.sampling))
+        return tuple.__new__(Chunk, (req.id, start, n, table, start + n == known, ids, req.sampling))
 
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
@@ -420,10 +423,14 @@ class Scheduler:
         """One decode chunk per request (its KV held), from ``starts`` (the requests' ``num_computed``, where
         the caller has them). Built as plain tuples of Chunk's type: the same objects as ``Chunk(...)`` at half
         the cost of its generated ``__new__`` (one per request per launch)."""
-        table, new = self.kv.table, tuple.__new__
+        new = tuple.__new__
         if starts is None:
             starts = [r.num_computed for r in reqs]
-        return [new(Chunk, (r.id, s, 1, table(r.id), True, None, r.sampling)) for r, s in zip(reqs, starts)]
+        kv = self.kv
+        tables, held = kv.tables, kv.held
+        # (the table named, the call made only for one with reserved blocks)
+        return [new(Chunk, (r.id, s, 1, tables[r.id] if len(tables[r.id]) == held[r.id] else kv.table(r.id), True,
+                            None, r.sampling)) for r, s in zip(reqs, starts)]
 
     def _fused(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], now: float,
                horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:

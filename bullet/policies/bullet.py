@@ -149,11 +149,13 @@ class DecodeArrays:
     (``kv``), each slot also mirrors its request's id and the blocks its table holds (``BlockManager.held``), so
     that a decode launch of every decoding request finds who needs blocks and reserves them in a few array
     operations (:meth:`Bullet._array_decode`): a decoding request's blocks change only there, in a decode launch
-    planned without the arrays (:meth:`note_held` after it) or when it leaves."""
+    planned without the arrays (:meth:`held_changed` after it: read again before the arrays plan one) or when it
+    leaves."""
 
     def __init__(self, tpot: float | None, reqs, kv=None) -> None:
         self.tpot = tpot
         self._held = kv.held if kv is not None else {}  # the block manager's blocks held, by request
+        self._held_ok = True  # False: a decoding slot's held may be stale (refresh_held)
         self.slot: dict[int, int] = {}  # request id -> slot
         self.free: list[int] = []  # freed slots (a heap: the lowest is reused first)
         self.size = 0  # slots ever used: the arrays' live prefix
@@ -217,13 +219,18 @@ class DecodeArrays:
         self.held[s] = self._held.get(r.id, 0)
         self._sorted = None
 
-    def note_held(self, req_ids) -> None:
-        """The tables of ``req_ids`` grew outside :meth:`Bullet._array_decode`: mirror what they hold now."""
-        slot, held, kv_held = self.slot, self.held, self._held
-        for i in req_ids:
-            s = slot.get(i)
-            if s is not None:
-                held[s] = kv_held.get(i, 0)
+    def held_changed(self) -> None:
+        """Decoding requests' tables grew outside :meth:`Bullet._array_decode`: read them again before it plans
+        (a numpy scalar write per request after every launch the Python path planned cost more than that path)."""
+        self._held_ok = False
+
+    def refresh_held(self) -> None:
+        """Mirror what every decoding slot's table holds now (after :meth:`held_changed`): one C-level read of the
+        block manager per slot (a slot that is not decoding syncs its own when it starts)."""
+        if not self._held_ok:
+            dec, ids = self._decoding()[0], self.decoding_ids()[1]
+            self.held[dec] = np.fromiter(map(self._held.__getitem__, ids), np.int64, len(ids))
+            self._held_ok = True
 
     def decoding_count(self) -> int:
         """How many slots hold a decoding request."""
@@ -296,8 +303,11 @@ class DecodeArrays:
             left = self.left[dec]
             comp = tot - left
             n = len(dec)
-            kv = int(comp.sum()) + n
-            work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
+            if self._kept is not None:  # (the view's, from the same arrays: two reductions saved)
+                work = self._kept[0]
+            else:
+                kv = int(comp.sum()) + n
+                work = new_work(Work, (num_layers, n, n, float(kv), kv, n, True, int(comp.max()) + 1 if n else 0))
             step = self._step = (left, comp, work)
         return step
 
@@ -637,7 +647,7 @@ class Bullet(LayerSliced):
         if grow:
             kv.grow(grow)
             if self._arrays is not None:
-                self._arrays.note_held([rid for rid, _ in grow])
+                self._arrays.held_changed()
         chunks, reqs, _ = self.job
         L, N, limit, budget = self.model.num_layers, self.N, self._mixed_limit(view), self.cfg.max_batched_tokens
         work = add_work(self._job_work(self.all_layers), view.work)
@@ -770,7 +780,8 @@ class Bullet(LayerSliced):
         return self._smallest(sizes, lambda p: predict(rest, p) <= budget, "prefill_need")
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
-        fast = self._array_decoders()
+        # (the arrays exist from ARRAYS_FROM running requests: below, not even asked)
+        fast = self._array_decoders() if self._arrays is not None or len(self.running) >= ARRAYS_FROM else None
         decoders = fast if fast is not None else self._decoders()
         if not decoders:
             return None
@@ -834,7 +845,7 @@ class Bullet(LayerSliced):
                 return batch
         batch = self._decode_batch("decode", partition, reqs, now, horizon, co, co_sms, co_end)
         if self._arrays is not None:
-            self._arrays.note_held([r.id for r in reqs])
+            self._arrays.held_changed()
         return batch
 
     def _array_decode(self, partition: Partition, reqs: list[Request], now: float, horizon: float | None,
@@ -853,6 +864,7 @@ class Bullet(LayerSliced):
         bs, L = kv.block_size, self.model.num_layers
         dec = arrays._decoding()[0]
         left, comp, work = arrays.step(L)  # comp: each request's num_computed, where its first step writes
+        arrays.refresh_held()
         had = arrays.held[dec]
         spare = had * bs - comp  # tokens that fit in its blocks: 0 needs a block for the first step (_one_step)
         # free blocks after the first step's: at least num_free less one each, counted only where that bound
