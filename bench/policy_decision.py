@@ -85,8 +85,7 @@ def came_back(sched, now: float) -> None:
     advanced, their gathered view and sorted tokens left dropped)."""
     sched._view(sched._decoding(), now)  # (makes the decode arrays and gathers the decoding slots)
     reqs = sched._one_step(sched._decoders())
-    tables = sched.kv.tables
-    chunks = DecodeChunks(reqs, [r.num_computed for r in reqs], [tables[r.id] for r in reqs])
+    chunks = DecodeChunks(reqs, [r.num_computed for r in reqs], sched.kv)
     batch = sched._launch("decode", Batch(sched._part("decode", sched.N), sched.all_layers, chunks), reqs)
     sched._note_decode_end(batch, now, None, 0)
     sched.on_result(StepResult(batch, now - 0.01, now, [now], None))

@@ -40,25 +40,37 @@ _SAMPLE = attrgetter("sample")  # (a C-level test per chunk: every fused launch 
 
 class DecodeChunks(Sequence[Chunk]):
     """A decode launch's chunks, one decode step of each request: ``Chunk(r.id, start, 1, table, True, None,
-    r.sampling)`` for each request ``r`` of ``reqs`` with its ``starts`` and block ``tables`` (the live lists, as a
-    Chunk holds them), made when first read. The simulator reads only their number (the policy gives it the launch's
-    Work), and a Chunk apiece cost ~2,400 instructions: 6 % of a static-split simulation (bench/RESULTS.md,
-    fourteenth speed pass). Equal to, and hashed as, the tuple of those chunks; every chunk samples."""
+    r.sampling)`` for each request ``r`` of ``reqs`` with its ``starts`` and its block table in ``kv`` (the block
+    manager's live list, every block named: :meth:`~bullet.kvcache.BlockManager.table`), made when first read. The
+    simulator reads only their number (the policy gives it the launch's Work), and a Chunk apiece cost ~2,400
+    instructions: 6 % of a static-split simulation (bench/RESULTS.md, fourteenth speed pass); naming the blocks a
+    fused stretch reserved cost half of a bullet decode decision (issue 10). An executor reads them at launch; a
+    request whose KV was freed before they are first read (an update streamed after its end) gets no block ids.
+    With ``ids``, ``starts`` are the starts of the requests ``ids`` names, both arrays in any order (a policy's
+    decode arrays, taken in slot order), paired with ``reqs`` when first read: no pass over the requests until then.
+    Equal to, and hashed as, the tuple of those chunks; every chunk samples."""
 
-    __slots__ = ("_made", "_reqs", "_starts", "_tables")
+    __slots__ = ("_ids", "_kv", "_made", "_reqs", "_starts")
 
-    def __init__(self, reqs: Sequence, starts: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
-        self._reqs, self._starts, self._tables, self._made = reqs, starts, tables, None
+    def __init__(self, reqs: Sequence, starts: Sequence[int], kv, ids=None) -> None:
+        self._reqs, self._starts, self._kv, self._ids, self._made = reqs, starts, kv, ids, None
 
     def _tuple(self) -> tuple[Chunk, ...]:
         if self._made is None:
-            new = tuple.__new__  # (as Scheduler._decode_chunks makes them)
+            starts = self._starts
+            if self._ids is not None:
+                by_id = dict(zip(self._ids.tolist(), starts.tolist()))
+                starts = [by_id[r.id] for r in self._reqs]
+            new, kv = tuple.__new__, self._kv  # (as Scheduler._decode_chunks makes them)
+            ids = [r.id for r in self._reqs]
+            tables = kv.named(ids) if all(map(kv.tables.__contains__, ids)) else \
+                [kv.table(i) if i in kv.tables else () for i in ids]
             self._made = tuple([new(Chunk, (r.id, s, 1, t, True, None, r.sampling))
-                                for r, s, t in zip(self._reqs, self._starts, self._tables)])
+                                for r, s, t in zip(self._reqs, starts, tables)])
         return self._made
 
     def __len__(self) -> int:
-        return len(self._starts)
+        return len(self._reqs)
 
     def __getitem__(self, i):
         return self._tuple()[i]

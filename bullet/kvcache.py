@@ -11,6 +11,16 @@ block is evicted, blocks cached under it become unreachable (their parent's numb
 simply age out. A cached block held by several requests is counted once per extra holder (``_shared``); when
 no request holds it, it waits in an LRU list and counts as free, and is evicted only when the pool needs it:
 plain free blocks are handed out first.
+
+Reserved blocks: a table may hold blocks that have no id yet. ``held`` counts each table's blocks, named ones
+(its list in ``tables``) and reserved ones; the reserved ones are plain free blocks set aside (``num_free`` leaves
+them out, and the cache is evicted for them when they are reserved, as it would be for named ones), and get their
+ids when the table is read (:meth:`BlockManager.table`). A fused decode stretch grows hundreds of tables by
+several blocks each (:meth:`BlockManager.grow`, :meth:`BlockManager.reserve`), and naming every block cost half of
+a bullet decode decision over 256 requests (bench/RESULTS.md, issue 10); the simulator never reads a decode
+table's ids, so it never names them, and an executor reads them through ``DecodeChunks``, which names them when
+first read. Which ids a table gets is no part of any simulated number: what the pool and the cache hold, and when
+the cache is evicted, are the same counts as when every block was named at once.
 """
 
 from __future__ import annotations
@@ -68,7 +78,9 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # request -> its named blocks (a live list, appended to)
+        self.held: dict[int, int] = {}  # request -> blocks its table holds: named, and reserved (no id yet)
+        self._reserved = 0  # reserved blocks of all tables: plain free blocks set aside (<= len(_free))
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no table holds, oldest first
         self._shared: dict[int, int] = {}  # block -> tables holding it beyond the first
         self._key: dict[int, tuple[tuple[int, Hashable], int]] = {}  # cached block -> (its key, its node)
@@ -79,8 +91,8 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks a request can get: never-cached ones and cached ones that no table holds."""
-        return len(self._free) + len(self._lru)
+        """Blocks a request can get: never-cached ones and cached ones that no table holds, less those reserved."""
+        return len(self._free) + len(self._lru) - self._reserved
 
     @property
     def num_cached(self) -> int:
@@ -91,24 +103,23 @@ class BlockManager:
 
     def extra_blocks(self, req_id: int, num_tokens: int) -> int:
         """Blocks to add so that ``req_id`` holds ``num_tokens`` tokens."""
-        table = self.tables.get(req_id)
-        have = len(table) if table else 0
-        return max(0, -(-num_tokens // self.block_size) - have)
+        return max(0, -(-num_tokens // self.block_size) - self.held.get(req_id, 0))
 
     def can_hold(self, req_id: int, num_tokens: int, reserve: int = 0) -> bool:
         return self.extra_blocks(req_id, num_tokens) + reserve <= self.num_free
 
     def freeable(self, req_ids: list[int]) -> int:
         """Blocks that dropping all of these tables would return to the pool (a block also held by another
-        table stays)."""
-        tables, shared = self.tables, self._shared
+        table stays; a reserved block is never shared)."""
+        tables, held, shared = self.tables, self.held, self._shared
         if not shared:
-            return sum(len(tables[r]) for r in req_ids)
+            return sum(held[r] for r in req_ids)
         seen: dict[int, int] = {}
         for r in req_ids:
             for b in tables[r]:
                 seen[b] = seen.get(b, 0) + 1
-        return sum(1 for b, n in seen.items() if n > shared.get(b, 0))
+        owed = sum(held[r] - len(tables[r]) for r in req_ids)
+        return owed + sum(1 for b, n in seen.items() if n > shared.get(b, 0))
 
     # ---- the prefix cache -------------------------------------------------------------------------
     def match(self, req: Request) -> list[int]:
@@ -135,7 +146,7 @@ class BlockManager:
 
     def take(self, req_id: int, hits: list[int]) -> list[int]:
         """Start ``req_id``'s (empty) table with the cached blocks ``hits`` (from :meth:`match`)."""
-        if self.tables.get(req_id):
+        if self.held.get(req_id):
             raise KvCacheError(f"request {req_id} already holds blocks")
         lru, shared = self._lru, self._shared
         for b in hits:
@@ -144,6 +155,7 @@ class BlockManager:
             else:
                 shared[b] = shared.get(b, 0) + 1
         table = self.tables[req_id] = list(hits)
+        self.held[req_id] = len(hits)
         if self.prefix_caching:
             self._progress[req_id] = (len(hits), self._key[hits[-1]][1] if hits else ROOT)
         return table
@@ -159,7 +171,7 @@ class BlockManager:
         last = min(num_tokens // bs, keyed_blocks(req, bs))
         if done < 0 or last <= done:
             return
-        table, index, key_of = self.tables[req.id], self._block, self._key
+        table, index, key_of = self.table(req.id), self._block, self._key  # (its blocks named: ids go in the index)
         for k, content in enumerate(block_keys(req, bs, done, last), start=done):
             b, key = table[k], (parent, content)
             have = index.get(key)
@@ -187,60 +199,104 @@ class BlockManager:
 
     # ---- tables ------------------------------------------------------------------------------------
     def allocate(self, req_id: int, num_tokens: int) -> list[int]:
-        """Grow ``req_id``'s table to hold ``num_tokens`` tokens; returns the table (a live list)."""
+        """Grow ``req_id``'s table to hold ``num_tokens`` tokens, every block named; returns the table (a live
+        list)."""
+        held = self.held.get(req_id, 0)
+        need = -(-num_tokens // self.block_size) - held
+        if need > self.num_free:
+            raise KvCacheError(f"request {req_id} needs {need} blocks, {self.num_free} free")
         table = self.tables.get(req_id)
         if table is None:
             table = self.tables[req_id] = []
-        need = -(-num_tokens // self.block_size) - len(table)
-        if need > self.num_free:
-            raise KvCacheError(f"request {req_id} needs {need} blocks, {self.num_free} free")
         if need > 0:
-            self._take(table, need)
+            self._set_aside(need)
+            held += need
+        self.held[req_id] = held
+        n = held - len(table)
+        if n > 0:  # (table(), inline: one call per prefill chunk)
+            free = self._free
+            table.extend(free[:-n - 1:-1])  # the top n, in pop order
+            del free[-n:]
+            self._reserved -= n
         return table
 
-    def _take(self, table: list[int], n: int) -> None:
-        """Move ``n`` blocks from the top of the free stack to ``table`` (in pop order)."""
-        free = self._free
-        if n > len(free):
-            self._evict(n - len(free))
-        taken = free[-n:]
-        del free[-n:]
-        taken.reverse()
-        table.extend(taken)
+    def table(self, req_id: int) -> list[int]:
+        """``req_id``'s table with every block it holds named: its reserved blocks get ids now, from the top of
+        the free stack (in pop order). The live list, appended to as the table grows."""
+        table = self.tables[req_id]
+        n = self.held[req_id] - len(table)
+        if n > 0:
+            free = self._free
+            table.extend(free[:-n - 1:-1])  # the top n, in pop order
+            del free[-n:]
+            self._reserved -= n
+        return table
+
+    def named(self, req_ids: list[int]) -> list[list[int]]:
+        """:meth:`table` of each of ``req_ids``, the call made only for a table with reserved blocks (a method call
+        per table cost 60 ms of bullet's 5 s cProfiled simulation of 3,000 Azure conversation requests)."""
+        tables, held, table = self.tables, self.held, self.table
+        return [t if len(t) == held[i] else table(i) for i, t in zip(req_ids, map(tables.__getitem__, req_ids))]
+
+    def name(self, req_ids) -> None:
+        """:meth:`table` for each of ``req_ids`` (their chunks hold the live lists: an executor reads them)."""
+        if self._reserved:
+            for rid in req_ids:
+                self.table(rid)
+
+    def _set_aside(self, n: int) -> None:
+        """Reserve ``n`` more plain free blocks, evicting cached blocks no table holds when the plain ones run
+        short (as handing them out at once would: the same evictions at the same time)."""
+        self._reserved += n
+        if self._reserved > len(self._free):
+            self._evict(self._reserved - len(self._free))
 
     def grow(self, wants: list[tuple[int, int]]) -> None:
-        """``allocate`` for many existing tables at once (the fused-decode hot path); all or nothing."""
-        bs, tables, free = self.block_size, self.tables, self._free
-        needs = []
+        """Make each of many existing tables hold its number of tokens (the fused-decode hot path), all or
+        nothing. The new blocks are reserved, named when the table is read (:meth:`table`): the simulator never
+        reads a decode launch's tables (naming a few tables' blocks at once instead cost static-split ~55M more
+        instructions over 3,000 Azure conversation requests, 2,892M -> 2,946M)."""
+        bs, held = self.block_size, self.held
+        grown = []
         total = 0
         for rid, tokens in wants:
-            table = tables[rid]
-            n = -(-tokens // bs) - len(table)
+            want = -(-tokens // bs)
+            n = want - held[rid]
             if n > 0:
-                needs.append((table, n))
+                grown.append((rid, want))
                 total += n
-        if total > len(free):
-            if total > self.num_free:
-                raise KvCacheError(f"{len(wants)} requests need {total} blocks, {self.num_free} free")
-            self._evict(total - len(free))
-        for table, n in needs:  # (_take inlined: a fused stretch grows hundreds of tables by several blocks)
-            if n == 1:
-                table.append(free.pop())
-            else:
-                table.extend(free[:-n - 1:-1])  # the top n, in pop order
-                del free[-n:]
+        if not total:
+            return
+        if total > self.num_free:
+            raise KvCacheError(f"{len(wants)} requests need {total} blocks, {self.num_free} free")
+        held.update(grown)
+        self._set_aside(total)
+
+    def reserve(self, req_ids: list[int], blocks: list[int], added: int) -> None:
+        """Make each table of ``req_ids`` hold ``blocks`` blocks (each at least what it holds), ``added`` more in
+        all, all or nothing; reserved, named when read. One C-level update of ``held`` however many tables grow
+        (what :meth:`grow` computes per table, a caller with arrays computes in a few vector operations)."""
+        if added > self.num_free:
+            raise KvCacheError(f"{len(req_ids)} requests need {added} blocks, {self.num_free} free")
+        self.held.update(zip(req_ids, blocks))
+        self._set_aside(added)
 
     def free(self, req_id: int) -> int:
         """Drop ``req_id``'s table (finish or preemption); returns how many blocks it held. Its cached blocks
-        stay cached: tail blocks first into the LRU list, so that a prefix outlives its extensions."""
+        stay cached: tail blocks first into the LRU list, so that a prefix outlives its extensions; its
+        reserved blocks go back unnamed."""
         table = self.tables.pop(req_id, None)
+        held = self.held.pop(req_id, 0)
         if self._progress:
             self._progress.pop(req_id, None)
-        if not table:
+        if table is None:
             return 0
+        self._reserved -= held - len(table)
+        if not table:
+            return held
         if not self._key and not self._shared:
             self._free.extend(reversed(table))
-            return len(table)
+            return held
         shared, key_of, lru, free = self._shared, self._key, self._lru, self._free
         for b in reversed(table):
             n = shared.get(b)
@@ -253,11 +309,20 @@ class BlockManager:
                 lru[b] = None
             else:
                 free.append(b)
-        return len(table)
+        return held
 
     def check(self) -> None:
-        """Invariants: every block is free (plain or cached-unheld) or held, never both; a block's holders
-        match its share count; the cache's two indexes and its parent links agree."""
+        """Invariants: every block is free (plain or cached-unheld) or named in a table, never both; a block's
+        holders match its share count; the cache's two indexes and its parent links agree; every table holds
+        at least its named blocks, and the reserved ones are plain free blocks set aside, counted once."""
+        if self.held.keys() != self.tables.keys():
+            raise KvCacheError(f"tables {sorted(self.tables)} but blocks held by {sorted(self.held)}")
+        owed = [self.held[r] - len(t) for r, t in self.tables.items()]
+        if any(n < 0 for n in owed):
+            raise KvCacheError("a table names more blocks than it holds")
+        if sum(owed) != self._reserved or not 0 <= self._reserved <= len(self._free):
+            raise KvCacheError(f"{sum(owed)} blocks owed to tables but {self._reserved} reserved, of "
+                               f"{len(self._free)} plain free blocks")
         holders: dict[int, int] = {}
         for t in self.tables.values():
             for b in t:

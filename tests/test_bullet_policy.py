@@ -1073,3 +1073,72 @@ def test_a_mixed_launchs_work_is_work_of_its_batch(monkeypatch):
     mixed_case(0.05, both=True)
     mixed = [(b, w) for b, w in seen if any(c.num_tokens == 1 for c in b.chunks)]
     assert mixed and all(w == work_of(b, L) for b, w in mixed)
+
+
+def _decode_workload(n=400, seed=5):
+    """Enough requests at once that hundreds run (the decode arrays engage from 64), with outputs long enough for
+    fused stretches to cross block boundaries, under a TPOT target."""
+    rng = np.random.default_rng(seed)
+    return [Request(i, float(rng.uniform(0, 2.0)), int(rng.integers(20, 600)), int(rng.integers(20, 400)))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("num_blocks", [20000, 2600])  # roomy, and short enough that requests are preempted
+def test_decode_from_the_arrays_equals_the_python_path(monkeypatch, num_blocks):
+    """bullet's decode launches planned from the decode arrays (``_array_decode``) are the Python path's: the same
+    launches (lane, SMs, steps, requests, starts) and per-request times, with and without preemption. Along the way
+    the arrays' decoders are ``_decoders()``, their mirror of the tables is ``BlockManager.held``, the pool's
+    invariants hold, a decode launch's chunks, read, name every block their stretch writes, and its requests are
+    held (no abort) while it is in flight though not in ``busy``."""
+    from bullet.policies.bullet import Bullet
+
+    slo = SloConfig(ttft=None, ttft_per_token=0.003, tpot=0.08)
+
+    def simulate(arrays: bool):
+        sched, lat = make(slo, num_blocks=num_blocks)
+        if not arrays:
+            monkeypatch.setattr(sched, "_array_decoders", lambda: None)
+        seen = {"fast": 0}
+        plain = Bullet._array_decoders
+
+        def checked(now, horizon):
+            assert sched._flight_ids is None  # (the decode lane is idle: its last launch came back)
+            fast = plain(sched) if arrays else None
+            if fast is not None:
+                seen["fast"] += 1
+                assert [r.id for r in fast] == [r.id for r in sched._decoders()]
+            batch = Bullet._schedule_decode(sched, now, horizon)
+            if sched._flight_ids is not None:  # planned from the arrays: its requests are held, though not in busy
+                rid = sched._flight_ids[-1]
+                assert sched.holds(rid) and rid not in sched.busy and not sched.holds(-1)
+                with pytest.raises(SchedulingError):
+                    sched.abort(rid, now)
+            if batch is not None and fast is not None and batch.steps > 1:
+                for c in batch.chunks:  # (names the reserved blocks, as an executor's read does)
+                    assert len(c.block_ids) * 16 >= c.start + batch.steps
+            a = sched._arrays
+            if a is not None:
+                a.refresh_held()  # (read again if the Python path grew tables: a no-op when it says they are current)
+                for rid, s in a.slot.items():
+                    assert a.held[s] == sched.kv.held.get(rid, 0) or not a.dec[s] or rid in sched.busy
+            sched.kv.check()
+            return batch
+
+        monkeypatch.setattr(sched, "_schedule_decode", checked)
+        launches = []
+
+        def note(res):
+            b = res.batch
+            launches.append((b.partition.lane, b.partition.num_sms, b.steps, b.layers.stop,
+                             tuple((c.req_id, c.start, c.num_tokens) for c in b.chunks), res.end))
+
+        done = serve([Request(r.id, r.arrival, r.prompt_len, r.max_new_tokens) for r in _decode_workload()], sched,
+                     SimExecutor(lat, L, GPU), on_step=note)
+        return launches, {r.id: (r.first_token_time, r.finish_time) for r in done}, sched, seen["fast"]
+
+    fast, fast_times, sched, n_fast = simulate(True)
+    slow, slow_times, ref, _ = simulate(False)
+    assert n_fast > 50  # the arrays planned most decode launches
+    assert fast == slow and fast_times == slow_times
+    assert sched.num_preemptions == ref.num_preemptions and (sched.num_preemptions > 0) == (num_blocks < 10000)
+    assert sched.kv.num_free == sched.kv.num_blocks

@@ -108,7 +108,7 @@ def test_abort_of_an_idle_request_frees_its_kv_at_once():
     eng.add(Request(1, 0.0, 100, 50))
     eng.step(None)  # the prefill of both
     assert set(kv.tables) == {0, 1} and not ex.busy("all")
-    held = len(kv.tables[1])
+    held = kv.held[1]
     free = kv.num_free
     assert eng.abort(1)
     (u,) = eng.flush()

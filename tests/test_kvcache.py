@@ -26,8 +26,7 @@ class KvMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(KvCacheError):
                 self.kv.allocate(rid, n)
-            assert rid not in self.kv.tables or not self.kv.tables[rid]
-            self.kv.tables.pop(rid, None)
+            assert rid not in self.kv.tables and rid not in self.kv.held
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), more=st.integers(1, 40))
@@ -36,8 +35,9 @@ class KvMachine(RuleBasedStateMachine):
         want = self.tokens[rid] + more
         before = list(self.kv.tables[rid])
         if self.kv.can_hold(rid, want):
-            table = self.kv.allocate(rid, want)
+            table = self.kv.allocate(rid, want)  # (names every block it holds, reserved ones included)
             assert table[:len(before)] == before  # growing never moves existing blocks
+            assert len(table) == self.kv.held[rid] == -(-want // 16)
             self.tokens[rid] = want
         else:
             with pytest.raises(KvCacheError):
@@ -58,11 +58,36 @@ class KvMachine(RuleBasedStateMachine):
                 self.kv.grow(wants)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def reserve_many(self, data):
+        # the lazy path (a fused stretch over many tables): blocks reserved, no ids yet
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=5, unique=True))
+        wants = {rid: self.tokens[rid] + 17 for rid in rids}
+        blocks = [-(-wants[rid] // 16) for rid in rids]
+        added = sum(b - self.kv.held[rid] for rid, b in zip(rids, blocks))
+        if added <= self.kv.num_free:
+            self.kv.reserve(rids, blocks, added)
+            self.tokens.update(wants)
+        else:
+            with pytest.raises(KvCacheError):
+                self.kv.reserve(rids, blocks, added)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def read(self, data):
+        # a table read names its reserved blocks: as long as what it holds, the named ones kept, no id twice
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        before, free = list(self.kv.tables[rid]), self.kv.num_free
+        table = self.kv.table(rid)
+        assert table[:len(before)] == before and len(table) == -(-self.tokens[rid] // 16)
+        assert self.kv.num_free == free  # reserved blocks were already off the pool
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), preempt=st.booleans())
     def free(self, data, preempt):
         # finishing and preempting both return every block; a preempted request later allocates anew
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = len(self.kv.tables[rid])
+        n = self.kv.held[rid]
         assert self.kv.free(rid) == n
         held = self.tokens.pop(rid)
         if preempt and self.kv.can_hold(rid, held):
@@ -72,9 +97,11 @@ class KvMachine(RuleBasedStateMachine):
     @invariant()
     def accounting(self):
         self.kv.check()
-        assert self.kv.num_free == 64 - sum(len(t) for t in self.kv.tables.values())
+        assert self.kv.num_free == 64 - sum(self.kv.held.values())
+        named = [b for t in self.kv.tables.values() for b in t]
+        assert len(set(named)) == len(named)
         for rid, n in self.tokens.items():
-            assert len(self.kv.tables[rid]) == -(-n // 16)
+            assert self.kv.held[rid] == -(-n // 16) >= len(self.kv.tables[rid])
 
 
 TestKvMachine = KvMachine.TestCase
@@ -97,8 +124,83 @@ def test_check_detects_double_ownership():
     kv = BlockManager(4, 16)
     kv.allocate(0, 16)
     kv.tables[1] = list(kv.tables[0])
+    kv.held[1] = 1
     with pytest.raises(KvCacheError):
         kv.check()
+
+
+def test_grow_reserves_and_a_read_names():
+    # 10 blocks of 4 tokens; A holds 5 tokens (2 blocks), B 4 (1): growing A to 13 tokens (4 blocks) and B to 9
+    # (3) reserves 2 + 2 blocks without naming any; the pool then has 10 - 3 - 4 = 3 free
+    kv = BlockManager(10, 4)
+    a, b = list(kv.allocate(0, 5)), list(kv.allocate(1, 4))
+    assert a == [0, 1] and b == [2]
+    kv.reserve([0, 1], [4, 3], 4)
+    assert kv.held == {0: 4, 1: 3} and kv.tables == {0: [0, 1], 1: [2]} and kv.num_free == 3
+    kv.check()
+    # A read names A's two: the next ids off the free stack, after its own
+    assert kv.table(0) == [0, 1, 3, 4] and kv.num_free == 3
+    kv.check()
+    # B freed with its 2 still unnamed: all 3 of its blocks come back (free returns what it held)
+    assert kv.free(1) == 3 and kv.num_free == 6 and 1 not in kv.held
+    kv.check()
+    # a reservation beyond the pool fails and changes nothing
+    with pytest.raises(KvCacheError):
+        kv.reserve([0], [11], 7)
+    assert kv.held == {0: 4} and kv.num_free == 6
+    kv.reserve([0], [10], 6)
+    assert kv.num_free == 0 and len(set(kv.table(0))) == 10
+    kv.check()
+
+
+def test_grow_reserves_for_many_tables():
+    # 8 tables of 1 block (4 tokens) in a pool of 40: growing all 8 to 3 blocks reserves 8 x 2 = 16 and names
+    # none; read, they hold the 24 lowest ids
+    kv = BlockManager(40, 4)
+    for i in range(8):
+        kv.allocate(i, 4)
+    kv.grow([(i, 12) for i in range(8)])
+    assert all(kv.held[i] == 3 and len(kv.tables[i]) == 1 for i in range(8)) and kv.num_free == 16
+    kv.check()
+    assert sorted(b for i in range(8) for b in kv.table(i)) == list(range(24))
+    kv.check()
+
+
+def test_check_catches_a_broken_reservation():
+    kv = BlockManager(8, 4)
+    kv.allocate(0, 4)
+    kv.reserve([0], [3], 2)
+    kv._reserved -= 1  # a reserved block counted free again
+    with pytest.raises(KvCacheError, match="owed"):
+        kv.check()
+    kv._reserved += 1
+    kv.held[0] = 0  # holding fewer blocks than it names
+    with pytest.raises(KvCacheError, match="names more"):
+        kv.check()
+    kv.held[0] = 3
+    kv._reserved = 2
+    kv._free[:] = kv._free[:1]  # more reserved than plain free blocks
+    with pytest.raises(KvCacheError):
+        kv.check()
+
+
+def test_reserved_blocks_evict_the_cache_when_the_plain_ones_run_short():
+    # 4 blocks of 2 tokens, prefix caching on: A computes 4 tokens (2 cached blocks) and finishes, so they wait
+    # in the LRU list; B holds the 2 plain blocks, and growing it by 1 must evict A's older block at once, as
+    # handing the block out would: the cache then holds 1 block, and the pool 1 free
+    kv = BlockManager(4, 2, prefix_caching=True)
+    ra = Request(0, 0.0, 4, 1, prompt_ids=(1, 2, 3, 4))
+    kv.allocate(0, 4)
+    kv.commit(ra, 4)
+    kv.free(0)
+    assert kv.num_cached == 2 and kv.num_free == 4
+    kv.allocate(1, 4)
+    assert kv.num_free == 2 and kv.num_cached == 2
+    kv.reserve([1], [3], 1)
+    assert kv.num_cached == 1 and kv.num_free == 1 and len(kv.tables[1]) == 2
+    kv.check()
+    assert len(set(kv.table(1))) == 3
+    kv.check()
 
 
 # ---------------------------------------------------------------------------------------------- prefix cache

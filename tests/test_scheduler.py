@@ -96,10 +96,11 @@ def test_progress_under_kv_pressure(policy):
     reqs = make_requests(60, seed=3, rate=100.0, prompt=(200, 2500), output=(50, 800))
 
     def check(res, sched):
-        held = sum(len(t) for t in sched.kv.tables.values())
+        held = sum(sched.kv.held.values())  # (named blocks and reserved ones)
         assert held <= sched.kv.num_blocks
+        sched.kv.check()
         for r in sched.running:  # every running request's table covers what it has computed
-            assert len(sched.kv.tables.get(r.id, ())) * 16 >= r.num_computed
+            assert sched.kv.held.get(r.id, 0) * 16 >= r.num_computed
 
     done, _steps, sched = run(policy, reqs, num_blocks=220, checks=check)
     assert len(done) == 60

@@ -114,11 +114,14 @@ class Scheduler:
         outside the scheduler happens (an arrival); fused decode stretches end there."""
         raise NotImplementedError
 
-    def _launch(self, lane: Lane, batch: Batch, reqs: list[Request]) -> Batch:
+    def _launch(self, lane: Lane, batch: Batch, reqs: list[Request], ids: list[int] | None = None) -> Batch:
+        """Hold ``batch`` in flight on ``lane`` with its requests (``ids``: theirs in any order, where the caller
+        has them)."""
         if self._new_hits:  # prefix-cache hits of the requests admitted into this launch
             batch = replace(batch, cached_tokens=self._new_hits)
             self._new_hits = 0
-        ids = [r.id for r in reqs]
+        if ids is None:
+            ids = [r.id for r in reqs]
         self.inflight[lane] = (batch, reqs, ids)
         self.busy.update(ids)
         if self.ahead is not None:
@@ -295,18 +298,18 @@ class Scheduler:
         """Rules 2 and 3 above: may ``req`` (the head of the queue) be admitted now?"""
         kv = self.kv
         hits = self._hits(req)
-        tables, blocks_for = kv.tables, kv.blocks_for
+        held, blocks_for = kv.held, kv.blocks_for
         if req.num_preemptions:
             mine = self.rank[req.id]
             need = blocks_for(req.prompt_len + req.max_new_tokens) - len(hits)
             for r in self.running:
                 if self.rank[r.id] > mine:
                     break
-                need += max(0, blocks_for(r.prompt_len + r.max_new_tokens) - len(tables[r.id]))
+                need += max(0, blocks_for(r.prompt_len + r.max_new_tokens) - held[r.id])
         else:
             need = blocks_for(req.known) - len(hits)
             for r in self.partial.values():
-                need += max(0, blocks_for(r.known) - len(tables[r.id]))
+                need += max(0, blocks_for(r.known) - held[r.id])
         return need + (kv.hit_cost(hits) if hits else 0) <= kv.num_free
 
     def _admit(self, req: Request) -> None:
@@ -345,8 +348,11 @@ class Scheduler:
         ids = None
         if req.prompt_ids is not None:
             ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
+        table = self.kv.tables[req.id]
+        if len(table) != self.kv.held[req.id]:  # (its callers allocate first, which names every block)
+            table = self.kv.table(req.id)
         # (a plain tuple of Chunk's type, as _decode_chunks makes them: the same object at half Chunk()'s cost)
-        return tuple.__new__(Chunk, (req.id, start, n, self.kv.tables[req.id], start + n == known, ids, req.sampling))
+        return tuple.__new__(Chunk, (req.id, start, n, table, start + n == known, ids, req.sampling))
 
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
@@ -403,10 +409,9 @@ class Scheduler:
         if not reqs:
             return None
         # _fused over _decode_chunks(reqs), with the sums taken from the requests' starts: one token each (the
-        # chunks made only if an executor reads them)
+        # chunks made only if an executor reads them, their tables' reserved blocks named then)
         starts = [r.num_computed for r in reqs]
-        tables = self.kv.tables
-        chunks = DecodeChunks(reqs, starts, [tables[r.id] for r in reqs])
+        chunks = DecodeChunks(reqs, starts, self.kv)
         n = len(starts)
         kv_end = sum(starts) + n
         work = new_work(Work, (self.model.num_layers, n, n, float(kv_end), kv_end, n, True, max(starts) + 1))
@@ -418,10 +423,14 @@ class Scheduler:
         """One decode chunk per request (its KV held), from ``starts`` (the requests' ``num_computed``, where
         the caller has them). Built as plain tuples of Chunk's type: the same objects as ``Chunk(...)`` at half
         the cost of its generated ``__new__`` (one per request per launch)."""
-        tables, new = self.kv.tables, tuple.__new__
+        new = tuple.__new__
         if starts is None:
             starts = [r.num_computed for r in reqs]
-        return [new(Chunk, (r.id, s, 1, tables[r.id], True, None, r.sampling)) for r, s in zip(reqs, starts)]
+        kv = self.kv
+        tables, held = kv.tables, kv.held
+        # (the table named, the call made only for one with reserved blocks)
+        return [new(Chunk, (r.id, s, 1, tables[r.id] if len(tables[r.id]) == held[r.id] else kv.table(r.id), True,
+                            None, r.sampling)) for r, s in zip(reqs, starts)]
 
     def _fused(self, lane: Lane, partition: Partition, chunks: list[Chunk], reqs: list[Request], now: float,
                horizon: float | None, co: Work | None = None, co_sms: int = 0) -> Batch:
@@ -462,15 +471,17 @@ class Scheduler:
             extra = max(extra, min(self.cfg.max_decode_steps, max(left), self.model.max_position - max(ends) - off
                                    + 1) - 1)
         if extra > 0 and len(reqs) * (extra // bs + 1) > kv.num_free:  # the pool may be short: count
-            tables = kv.tables
-            extra = self._kv_steps([len(tables[r.id]) * bs - off - e for r, e in zip(reqs, ends)], extra)
+            held = kv.held
+            extra = self._kv_steps([held[r.id] * bs - off - e for r, e in zip(reqs, ends)], extra)
         if extra > 0 and horizon is not None:
             extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
         if extra > 0:
-            room, k = kv.tables, extra + off
-            grow = [(r.id, e + k) for r, e in zip(reqs, ends) if e + k > len(room[r.id]) * bs]
+            held, k = kv.held, extra + off
+            grow = [(r.id, e + k) for r, e in zip(reqs, ends) if e + k > held[r.id] * bs]
             if grow:  # (most stretches stay within the requests' last blocks)
                 kv.grow(grow)
+                if type(chunks) is not DecodeChunks:  # (these chunks hold the live lists: name the new blocks)
+                    kv.name([rid for rid, _ in grow])
         else:
             extra = 0
         batch = Batch(partition, self.all_layers, chunks, extra + 1)
@@ -507,8 +518,8 @@ class Scheduler:
     def _one_step(self, reqs: list[Request]) -> list[Request]:
         """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;
         returns those that got it (the others wait a step, or were evicted)."""
-        kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
-        grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= len(tables[r.id]) * bs]
+        kv, bs, held = self.kv, self.kv.block_size, self.kv.held
+        grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= held[r.id] * bs]
         if grow:
             if len(grow) > kv.num_free:
                 return self._make_room(reqs)

@@ -85,7 +85,7 @@ from collections import deque
 
 import numpy as np
 
-from ..batch import Batch, Chunk, Lane, Partition, StepResult
+from ..batch import Batch, Chunk, DecodeChunks, Lane, Partition, StepResult
 from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import batch_work, new_work, note_work, step_times
@@ -183,10 +183,17 @@ class DecodeArrays:
     float64 arithmetic rounds as Python's does), so the budgets are equal to the bit. The decoding requests'
     next-step Work is kept as sums (their count, KV tokens and longest context: integers, so the same numbers
     as the arrays' sums), so that a decode launch coming back costs its one array update, not a regathering
-    (~5 us of a ~15 us view after a launch, bench/policy_decision.py)."""
+    (~5 us of a ~15 us view after a launch, bench/policy_decision.py). With the block manager (``kv``), each slot
+    also mirrors its request's id and the blocks its table holds (``BlockManager.held``), so that a decode launch
+    of every decoding request finds who needs blocks and reserves them in a few array operations
+    (:meth:`Bullet._array_decode`): a decoding request's blocks change only there, in a decode launch planned
+    without the arrays (:meth:`held_changed` after it: read again before the arrays plan one) or when it
+    leaves."""
 
-    def __init__(self, tpot: float | None, reqs) -> None:
+    def __init__(self, tpot: float | None, reqs, kv=None) -> None:
         self.tpot = tpot
+        self._held = kv.held if kv is not None else {}  # the block manager's blocks held, by request
+        self._held_ok = True  # False: a decoding slot's held may be stale (refresh_held)
         self.slot: dict[int, int] = {}  # request id -> slot
         self.free: list[int] = []  # freed slots (a heap: the lowest is reused first)
         self.size = 0  # slots ever used: the arrays' live prefix
@@ -203,12 +210,16 @@ class DecodeArrays:
         self.csum: int | None = 0
         self.cmax: int | None = None
         self.version = 0  # changes with any change to a decoding slot (a view's lazy budget checks it)
+        self.ids = np.zeros(64, np.int64)  # request id
+        self.held = np.zeros(64, np.int64)  # blocks its table holds (mirrors BlockManager.held)
         # gathered once per change: the decoding slots and what a decode step leaves as it is (slots, tot, a0, t1),
         # until a decoding request joins, leaves or syncs; their view's inputs (left, a0, t1), and their Work, until
         # any change to a decoding slot (a request joining to prefill changes neither: a new job's admission keeps
         # what its decision's seat releases gathered for its view); the running requests' tokens left, sorted
         # (_seat_releases), until any change
         self._dec: tuple | None = None
+        self._step: tuple | None = None  # (left, num_computed, next-step Work) of the decoding slots, per change
+        self._ids: tuple | None = None  # (their ids as an array, as a list), until a decoding slot changes
         self._kept: tuple | None = None
         self._work: Work | None = None
         self._sorted: np.ndarray | None = None
@@ -221,11 +232,12 @@ class DecodeArrays:
         else:
             s, self.size = self.size, self.size + 1
             if s == len(self.dec):  # grow: double every array
-                for name in ("live", "dec", "left", "tot", "t1", "a0"):
+                for name in ("live", "dec", "left", "tot", "t1", "a0", "ids", "held"):
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate([old, np.zeros_like(old)]))
         self.slot[r.id] = s
         self.live[s] = True
+        self.ids[s] = r.id
         self.sync(r)
 
     def leave(self, r: Request) -> None:
@@ -246,7 +258,7 @@ class DecodeArrays:
                 self.cmax = None
         self.ndec -= 1
         self.dec[s] = False
-        self._dec = self._kept = self._work = None
+        self._dec = self._ids = self._step = self._kept = self._work = None
         self.version += 1
 
     def sync(self, r: Request) -> None:
@@ -259,10 +271,11 @@ class DecodeArrays:
         self.tot[s] = r.num_computed + left
         self.t1[s] = math.nan if r.first_token_time is None else r.first_token_time
         self.a0[s] = 0.0 if self.tpot is None else self.tpot * (r.max_new_tokens - 1)
+        self.held[s] = self._held.get(r.id, 0)
         self._sorted = None
         if not (was or dec):  # (a slot that neither was nor is decoding is in no gathered view: kept)
             return
-        self._dec = self._kept = self._work = None
+        self._dec = self._ids = self._step = self._kept = self._work = None
         self.version += 1
         if was:  # its old progress is not read back: the sums are gathered again when next asked (a mixed
             # launch syncs every decoding row; one gather then costs less than a scalar read per row)
@@ -278,6 +291,23 @@ class DecodeArrays:
                     self.cmax = comp
         else:
             self.dec[s] = False
+
+    def held_changed(self) -> None:
+        """Decoding requests' tables grew outside :meth:`Bullet._array_decode`: read them again before it plans
+        (a numpy scalar write per request after every launch the Python path planned cost more than that path)."""
+        self._held_ok = False
+
+    def refresh_held(self) -> None:
+        """Mirror what every decoding slot's table holds now (after :meth:`held_changed`): one C-level read of the
+        block manager per slot (a slot that is not decoding syncs its own when it starts)."""
+        if not self._held_ok:
+            dec, ids = self._decoding()[0], self.decoding_ids()[1]
+            self.held[dec] = np.fromiter(map(self._held.__getitem__, ids), np.int64, len(ids))
+            self._held_ok = True
+
+    def decoding_count(self) -> int:
+        """How many slots hold a decoding request."""
+        return len(self._decoding()[0])
 
     def slots(self, reqs: list[Request]) -> np.ndarray:
         """The slots of ``reqs``: every decoding slot when they are all the decoding requests (no Python pass)."""
@@ -302,7 +332,7 @@ class DecodeArrays:
         # instead of a gather and a sort of 256: ~3 us of the seat releases' ~6, bench/policy_decision.py, hot)
         sl = self._sorted
         self._sorted = sl - steps if sl is not None and k == len(self.slot) else None
-        self._kept = self._work = None
+        self._step = self._kept = self._work = None
         self.version += 1
 
     def _decoding(self) -> tuple:
@@ -358,6 +388,25 @@ class DecodeArrays:
         x = np.maximum(np.minimum(a - (left - 1) * pace, cap), b)
         return best, float(x.min())
 
+    def decoding_ids(self) -> tuple:
+        """(the decoding slots' request ids as an array, and as a list), gathered once until one joins, leaves or
+        syncs (a numpy call costs 7-19k instructions whatever its length: bench/RESULTS.md, issue 10)."""
+        g = self._ids
+        if g is None:
+            ids = self.ids[self._decoding()[0]]
+            g = self._ids = (ids, ids.tolist())
+        return g
+
+    def step(self, num_layers: int) -> tuple:
+        """(tokens left, num_computed, the next step's Work) of the decoding slots (in slot order), once per change,
+        for a decode launch planned from the arrays (not to be written to). The Work is :meth:`work`'s (the sums)."""
+        step = self._step
+        if step is None:
+            dec, tot = self._decoding()[:2]
+            left = self.left[dec]
+            step = self._step = (left, tot - left, self.work(num_layers))
+        return step
+
     def _timed(self) -> tuple:
         """(left, a0, t1) of the decoding requests with tokens left, gathered once per change."""
         kept = self._kept
@@ -373,7 +422,7 @@ class DecodeArrays:
 
 class Bullet(LayerSliced):
     __slots__ = ("N", "_arrays", "_by_deadline", "_by_length", "_decode_end", "_decode_slots", "_decode_until",
-                 "_hold", "_job_sums", "_last", "_late", "_parts", "_paused", "_per_token", "_queued", "_recent",
+                 "_flight_ids", "_hold", "_job_sums", "_last", "_late", "_parts", "_paused", "_per_token", "_queued", "_recent",
                  "_shed", "_slice_rate", "_slice_work", "_targets", "deadline", "dec_sizes", "layers_step", "num_late",
                  "num_mixed", "num_paused", "num_shed", "pre_sizes", "prefill_until", "target", "token_target")
     lanes: tuple[Lane, ...] = ("prefill", "decode")  # prefill planned first: it leaves decode what it needs
@@ -420,6 +469,9 @@ class Bullet(LayerSliced):
         self._by_length: list[tuple[int, int, float, Request]] = []
         self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
         self._arrays: DecodeArrays | None = None  # while many requests run (ARRAYS_FROM)
+        # the ids of a decode launch planned from the arrays while it is in flight, kept out of ``busy`` (holds());
+        # adding them and taking them out again cost ~40k instructions a launch of 256 requests
+        self._flight_ids: list[int] | None = None
         self._decode_slots: tuple[Batch, DecodeArrays, np.ndarray] | None = None  # the decode launch in flight's
         # [arrival, known tokens, max_new_tokens, whole-GPU work or None until asked] of the last SHED_WINDOW's arrivals
         self._recent: deque[list] = deque()
@@ -680,12 +732,14 @@ class Bullet(LayerSliced):
         launches: each one reads every decoding request's KV once); then the job's chunks and a decode chunk of
         every decoding request run on the whole GPU, all layers (a decode row needs them all)."""
         decoders = self._decoders()
-        kv, bs, tables = self.kv, self.kv.block_size, self.kv.tables
-        grow = [(r.id, r.num_computed + 1) for r in decoders if r.num_computed >= len(tables[r.id]) * bs]
+        kv, bs, held = self.kv, self.kv.block_size, self.kv.held
+        grow = [(r.id, r.num_computed + 1) for r in decoders if r.num_computed >= held[r.id] * bs]
         if len(grow) > kv.num_free:
             return None
         if grow:
             kv.grow(grow)
+            if self._arrays is not None:
+                self._arrays.held_changed()
         chunks, reqs, _ = self.job
         L, N, limit, budget = self.model.num_layers, self.N, self._mixed_limit(view), self.cfg.max_batched_tokens
         work = add_work(self._job_work(self.all_layers), view.work)
@@ -818,13 +872,15 @@ class Bullet(LayerSliced):
         return self._smallest(sizes, lambda p: predict(rest, p) <= budget, "prefill_need")
 
     def _schedule_decode(self, now: float, horizon: float | None) -> Batch | None:
-        decoders = self._decoders()
+        # (the arrays exist from ARRAYS_FROM running requests: below, not even asked)
+        fast = self._array_decoders() if self._arrays is not None or len(self.running) >= ARRAYS_FROM else None
+        decoders = fast if fast is not None else self._decoders()
         if not decoders:
             return None
         pre = self.inflight.get("prefill")
         if pre is None:  # nothing to prefill now (it would have launched first): the whole GPU
-            batch = self._decode_batch("decode", self._part("decode", self.N), decoders, now,
-                                       self.arrival_horizon(horizon))
+            batch = self._decode_launch(self._part("decode", self.N), decoders, fast is not None, now,
+                                        self.arrival_horizon(horizon))
             self._note_decode_end(batch, now, None, 0)
             return batch
         p = pre[0].partition.num_sms
@@ -832,9 +888,135 @@ class Bullet(LayerSliced):
             return None  # prefill holds the whole GPU for this slice
         co = self._slice_work  # the prefill slice in flight
         d = self.N - p  # all that prefill left (its size already counted what decode needs)
-        batch = self._decode_batch("decode", self._part("decode", d), decoders, now, None, co, p, self._slice_end)
+        batch = self._decode_launch(self._part("decode", d), decoders, fast is not None, now, None, co, p,
+                                    self._slice_end)
         self._note_decode_end(batch, now, co, p)
         return batch
+
+    def _array_decoders(self) -> list[Request] | None:
+        """``_decoders()`` read off the arrays, when they can tell, without touching the requests: every decoding
+        slot's request is idle and has only its last sampled token to feed unless it is in a launch in flight or
+        mid-prompt (``busy``, ``partial``: a few requests, the job's), so when none of those decodes, the decoders
+        are the running requests with a token out, in running order: all of them, or all but those few (found by
+        rank: ``running`` is sorted by it). None without the arrays or when one of those decodes (a preempted
+        request recomputing)."""
+        arrays = self._decode_arrays()
+        if arrays is None:
+            return None
+        slot, dec = arrays.slot, arrays.dec
+        idle = set()  # running requests with no token out: the job's
+        for ids in (self.busy, self.partial):
+            for i in ids:
+                s = slot.get(i)
+                if s is not None:
+                    if dec[s]:
+                        return None
+                    idle.add(i)
+        running = self.running
+        if len(running) - arrays.decoding_count() != len(idle):  # (cannot be: a pass, to be sure)
+            return [r for r in running if r.num_output]
+        if not idle:
+            return list(running)
+        rank = self.rank
+        at = sorted([bisect_left(running, rank[i], key=lambda r: rank[r.id]) for i in idle])
+        out, prev = [], 0
+        for k in at:
+            out += running[prev:k]
+            prev = k + 1
+        out += running[prev:]
+        return out
+
+    def _decode_launch(self, partition: Partition, reqs: list[Request], fast: bool, now: float,
+                       horizon: float | None, co: Work | None = None, co_sms: int = 0, co_end=None) -> Batch | None:
+        """``_decode_batch`` of ``reqs``: from the arrays when ``fast`` (they are every decoding slot), unless
+        the pool is short of a block for one of them (then the Python path, which evicts by priority); the
+        arrays' mirror of the tables then catches up."""
+        if fast:
+            batch = self._array_decode(partition, reqs, now, horizon, co, co_sms, co_end)
+            if batch is not None:
+                return batch
+        batch = self._decode_batch("decode", partition, reqs, now, horizon, co, co_sms, co_end)
+        if self._arrays is not None:
+            self._arrays.held_changed()
+        return batch
+
+    def _array_decode(self, partition: Partition, reqs: list[Request], now: float, horizon: float | None,
+                      co: Work | None, co_sms: int, co_end) -> Batch | None:
+        """``_decode_batch`` (its ``_one_step`` and ``_stretch``) over every decoding request, ``reqs``, from the
+        arrays: who needs a block for the first step, the stretch's steps (first completion, max_decode_steps,
+        riding past ends, the KV pool, the horizon) and the blocks it needs, each a few array operations, then
+        one reservation (``BlockManager.reserve``) for every table that grows; the launch's requests are held by
+        their ids (``_flight_ids``, :meth:`holds`) instead of in ``busy``. The same numbers as the Python path,
+        whose per-request passes (five) and growing of every table (a Python statement each) cost ~300 us of a
+        104-step stretch's decision over 256 requests on this VM (bench/RESULTS.md, issue 10). Each array
+        operation costs 7-19k instructions whatever its length, so the answers that need none are not asked
+        (the exact count of first-step blocks, the indices when every table grows). None, with nothing changed,
+        when the pool cannot give every request its first step's block."""
+        arrays, kv, cfg = self._arrays, self.kv, self.cfg
+        bs, L = kv.block_size, self.model.num_layers
+        dec = arrays._decoding()[0]
+        left, comp, work = arrays.step(L)  # comp: each request's num_computed, where its first step writes
+        arrays.refresh_held()
+        had = arrays.held[dec]
+        spare = had * bs - comp  # tokens that fit in its blocks: 0 needs a block for the first step (_one_step)
+        # free blocks after the first step's: at least num_free less one each, counted only where that bound
+        # could change an answer (a numpy call costs ~10k instructions)
+        free, exact = kv.num_free - len(dec), False
+        if free < 0:
+            free, exact = kv.num_free - int(np.count_nonzero(spare == 0)), True
+            if free < 0:
+                return None
+        if co_end is not None:
+            horizon = co_end(work, partition.num_sms, now)
+        extra = int(left.min())  # steps after the first: as _stretch counts them
+        if cfg.max_decode_steps < extra:  # noqa: PLR1730 -- min(): see _stretch
+            extra = cfg.max_decode_steps
+        extra -= 1
+        if self.ride_past_end and horizon is not None and co is None and not self.waiting \
+                and len(self.running) < cfg.max_num_seqs and self.ahead is None:
+            extra = max(extra, min(cfg.max_decode_steps, int(left.max()), self.model.max_position - int(comp.max()))
+                        - 1)
+        if extra > 0 and len(dec) * (extra // bs + 1) > free and not exact:
+            free, exact = kv.num_free - int(np.count_nonzero(spare == 0)), True
+        if extra > 0 and len(dec) * (extra // bs + 1) > free:  # the pool may be short: count
+            extra = self._kv_steps_of(np.where(spare == 0, bs, spare) - 1, extra, free)
+        if extra > 0 and horizon is not None:
+            extra = self._steps_before(work, extra, horizon - now, partition.num_sms, co, co_sms)
+        if extra < 0:  # noqa: PLR1730 -- max(): see _stretch
+            extra = 0
+        ids, id_list = arrays.decoding_ids()
+        grown = np.flatnonzero(spare <= extra)  # short of comp + extra + 1 tokens
+        if len(grown) == len(dec):  # (every table: a long stretch)
+            blocks = (comp + (extra + bs)) // bs  # blocks_for(comp + extra + 1)
+            kv.reserve(id_list, blocks.tolist(), int((blocks - had).sum()))
+            arrays.held[dec] = blocks
+        elif len(grown):
+            blocks = (comp[grown] + (extra + bs)) // bs
+            kv.reserve(ids[grown].tolist(), blocks.tolist(), int((blocks - had[grown]).sum()))
+            arrays.held[dec[grown]] = blocks
+        batch = Batch(partition, self.all_layers, DecodeChunks(reqs, comp, kv, ids), extra + 1)
+        note_work(self.latency, batch, L, work)  # the simulator needs it too
+        batch = self._launch("decode", batch, reqs, ())
+        self._flight_ids = id_list
+        return batch
+
+    def _kv_steps_of(self, spare: np.ndarray, steps: int, free: int) -> int:
+        """``_kv_steps`` over an array: the most steps (<= ``steps``, >= 0) that every request can grow by within
+        ``free`` blocks; ``spare``: tokens that still fit in each request's blocks."""
+        bs = self.kv.block_size
+
+        def need(k: int) -> int:
+            d = k - spare
+            d = d[d > 0]
+            return int(((d + bs - 1) // bs).sum())
+
+        if need(steps) <= free:
+            return steps
+        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
 
     def _slice_end(self, work: Work, d: int, now: float) -> float:
         """When the prefill slice in flight is predicted to end once the decode launch ``work`` on ``d`` SMs
@@ -873,7 +1055,18 @@ class Bullet(LayerSliced):
             self._decode_until, self._decode_end = now + float(times.sum()), None
         return self._decode_until
 
+    def holds(self, req_id: int) -> bool:
+        """``Scheduler.holds``, and the requests of a decode launch planned from the arrays (not in ``busy``: while
+        it is in flight nothing bullet plans reads ``busy`` for them, as the decode lane plans nothing then and
+        the prefill lane takes only queued requests)."""
+        if super().holds(req_id):
+            return True
+        ids = self._flight_ids
+        return ids is not None and req_id in ids
+
     def on_result(self, res: StepResult) -> list[Request]:
+        if res.batch.partition.lane == "decode":
+            self._flight_ids = None
         arrays = self._arrays
         if arrays is None:
             self._decode_slots = None
@@ -951,7 +1144,7 @@ class Bullet(LayerSliced):
         ARRAYS_UNTIL (below a few dozen requests a Python pass beats numpy's per-call cost); None between."""
         n = len(self.running)
         if self._arrays is None and n >= ARRAYS_FROM:
-            self._arrays = DecodeArrays(self.slo.tpot, self.running)
+            self._arrays = DecodeArrays(self.slo.tpot, self.running, self.kv)
         elif self._arrays is not None and n <= ARRAYS_UNTIL:
             self._arrays = None
         return self._arrays
