@@ -582,15 +582,38 @@ class SimTimed:
         return [r._replace(tokens=self.tokens.pop(r.batch.lane)) for r in self.sim.wait(until)]
 
 
-def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch):
+@pytest.mark.parametrize("arrays_from", [None, 2])
+def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch, arrays_from):
     """The bullet policy through serve() with the simulator, and with the real executor's CPU path on a fake
     clock, makes the identical sequence of batches (lanes, partitions, layer slices, chunks, fused steps), and
     the real run's outputs equal the float64 reference. TPOT loans off: with them decode's slower steps
-    outlast every 1-layer slice, and this scenario would have no fused stretch to compare."""
+    outlast every 1-layer slice, and this scenario would have no fused stretch to compare. ``arrays_from`` 2:
+    decode launches planned from the decode arrays (``Bullet._array_decode``, 64 running requests or more by
+    default) with 2 running, so that the real executor writes KV into blocks the block manager reserved and
+    named only when the executor read the launch's tables."""
     from bullet.config import SloConfig
+    from bullet.policies.bullet import Bullet
     from simulator import SimExecutor
 
     monkeypatch.setattr("bullet.policies.bullet.BORROW_CAP", 0.0)
+    planned = []
+    if arrays_from is not None:
+        monkeypatch.setattr("bullet.policies.bullet.ARRAYS_FROM", arrays_from)
+        plan_from_arrays = Bullet._array_decode
+
+        def spy(self, *a, **k):
+            batch = plan_from_arrays(self, *a, **k)
+            planned.append(batch)
+            return batch
+
+        monkeypatch.setattr(Bullet, "_array_decode", spy)
+        reserve = BlockManager.reserve
+
+        def reserved(self, req_ids, blocks, added):
+            planned.append(added)
+            return reserve(self, req_ids, blocks, added)
+
+        monkeypatch.setattr(BlockManager, "reserve", reserved)
 
     gpu = GPUS["h200"]
     lat = LinearLatency(SPEC.num_layers, base=2e-3, per_token=1e-3)
@@ -623,6 +646,9 @@ def test_bullet_parity_simulator_and_real_executor(weights, monkeypatch):
     assert any(p[0] == "decode" and p[1] < 132 for p in sim_plan) and any(p[2].stop < SPEC.num_layers
                                                                              for p in sim_plan)
     check_against_reference(weights, done, reqs)
+    if arrays_from is not None:  # the array path planned launches in both runs and reserved blocks for them
+        assert sum(1 for b in planned if isinstance(b, Batch)) >= 2
+        assert sum(b for b in planned if isinstance(b, int)) > 0
 
 
 def test_bullet_pauses_a_job_for_an_urgent_prompt_on_both_executors(weights, monkeypatch):
