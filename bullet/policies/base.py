@@ -23,6 +23,17 @@ from ..perfmodel.base import batch_work, new_work, note_work, step_ends
 from ..request import Request
 
 
+def most_steps(need: Callable[[int], int], steps: int, free: int) -> int:
+    """The most steps ``k`` (<= ``steps``, >= 0) whose blocks ``need(k)`` (non-decreasing in ``k``) fit in ``free``:
+    ``steps`` if they all fit, else by bisection."""
+    if need(steps) <= free:
+        return steps
+    lo, hi = 0, steps  # need(lo) fits, need(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+    return lo
+
 class SchedulingError(RuntimeError):
     pass
 
@@ -535,18 +546,8 @@ class Scheduler:
     def _kv_steps(self, spare: list[int], steps: int) -> int:
         """The most steps (<= ``steps``, >= 0) that every request can grow by within the free blocks;
         ``spare``: tokens that still fit in each request's blocks."""
-        bs, free = self.kv.block_size, self.kv.num_free
-
-        def need(k: int) -> int:
-            return sum(-(-(k - s) // bs) for s in spare if k > s)
-
-        if need(steps) <= free:
-            return steps
-        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-        return lo
+        bs = self.kv.block_size
+        return most_steps(lambda k: sum(-(-(k - s) // bs) for s in spare if k > s), steps, self.kv.num_free)
 
     # ---- results -----------------------------------------------------------------------------------
     def on_result(self, res: StepResult) -> list[Request]:

@@ -90,7 +90,7 @@ from ..config import ConfigError
 from ..perfmodel import Work, work_of
 from ..perfmodel.base import batch_work, new_work, note_work, step_times
 from ..request import Request
-from .base import LayerSliced, SchedulingError
+from .base import LayerSliced, SchedulingError, most_steps
 
 LATE_GRACE = 20.0  # a request predicted to miss its TTFT is ordered as if its deadline were this many targets later
 BORROW_PACE = 0.95  # a loan leaves the request's other remaining steps this fraction of its TPOT target each
@@ -1010,13 +1010,7 @@ class Bullet(LayerSliced):
             d = d[d > 0]
             return int(((d + bs - 1) // bs).sum())
 
-        if need(steps) <= free:
-            return steps
-        lo, hi = 0, steps  # need(lo) fits, need(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
-        return lo
+        return most_steps(need, steps, free)
 
     def _slice_end(self, work: Work, d: int, now: float) -> float:
         """When the prefill slice in flight is predicted to end once the decode launch ``work`` on ``d`` SMs
