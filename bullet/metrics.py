@@ -19,7 +19,7 @@ import secrets
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, pairwise
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -295,11 +295,36 @@ class Timeline:
             free_since = ends[-1]
 
     def write_csv(self, path: Path) -> None:
-        """``timeline.csv``: :meth:`csv_rows` with times in seconds."""
+        """``timeline.csv``: :meth:`csv_rows` with times in seconds, as ``csv.writer`` writes them (no field needs
+        quoting: numbers and plain words), each line formatted here: a launch's fused steps share all but their two
+        times. 601,260 rows of bullet on the Azure conversation trace took 1.75 s through ``csv.writer`` (more than
+        half the simulation's 2.7 s) and take about a third of it so."""
         with atomic_write(path) as f:
-            w = csv.writer(f)
-            w.writerow(self.HEADER)
-            w.writerows((*row[:8], f"{row[8]:.6f}", f"{row[9]:.6f}", *row[10:]) for row in self.csv_rows())
+            f.write(",".join(self.HEADER) + "\r\n")
+            lanes = [self._lane_lines(lane) for lane in sorted(self.busy)]
+            lines = heapq.merge(*lanes, key=itemgetter(0)) if len(lanes) > 1 else (lanes[0] if lanes else ())
+            f.writelines(map(itemgetter(1), lines))
+
+    def _lane_lines(self, lane: str) -> Iterator[tuple[float, str]]:
+        """:meth:`_lane_rows` as (start, CSV line) pairs."""
+        free_since = 0.0
+        kv_blocks = self.kv_blocks
+        for row in self.rows:
+            if row[0] != lane:
+                continue
+            _, sms, l0, l1, tokens, seqs, start, ends, cached, waiting, running, kv = row
+            if start > free_since:
+                yield free_since, f"{lane},idle,0,,,0,0,0,{free_since:.6f},{start:.6f},,,,\r\n"
+            state = ("" if waiting is None else waiting, "" if running is None else running,
+                     "" if kv is None else kv,
+                     "" if kv is None or not kv_blocks else f"{100 * kv / kv_blocks:.2f}")
+            tail = f",{state[0]},{state[1]},{state[2]},{state[3]}\r\n"
+            yield start, f"{lane},run,{sms},{l0},{l1},{tokens},{seqs},{cached},{start:.6f},{ends[0]:.6f}{tail}"
+            if len(ends) > 1:  # a fused launch's later steps decode one token of every sequence
+                head = f"{lane},run,{sms},{l0},{l1},{seqs},{seqs},0,"
+                for s, e in pairwise(ends):
+                    yield s, f"{head}{s:.6f},{e:.6f}{tail}"
+            free_since = ends[-1]
 
 
 def _temp_name(path: Path) -> Path:

@@ -226,6 +226,35 @@ def test_timeline_rows_with_idle_gaps():
     assert t.busy == {"prefill": 2.0, "decode": 3.0}
 
 
+@pytest.mark.parametrize("probe, kv_blocks", [(lambda: (2, 1, 10), 40), (None, None), (lambda: (0, 3, 7), None)])
+def test_timeline_csv_is_what_csv_writer_writes_of_its_rows(tmp_path, probe, kv_blocks):
+    """``write_csv`` formats its lines itself: byte for byte what ``csv.writer`` writes of :meth:`csv_rows` (times to
+    the microsecond), over two lanes with idle gaps, a fused launch, a tie in start times across the lanes, with and
+    without the server's state and the pool's size."""
+    import csv
+    import io
+
+    from bullet.batch import Batch, Chunk, Partition, StepResult
+
+    t = Timeline(probe, kv_blocks=kv_blocks)
+    pre = Batch(Partition("prefill", 92), range(8), (Chunk(0, 0, 50, [], True), Chunk(3, 16, 30, [], False)),
+                cached_tokens=16)
+    dec = Batch(Partition("decode", 40), range(32), (Chunk(1, 10, 1, [], True), Chunk(2, 7, 1, [], True)),
+                steps=4)
+    t.on_step(StepResult(pre, 1.0, 2.0, (2.0,), None))
+    t.on_step(StepResult(dec, 0.25, 3.0, np.array([1.0, 2.0, 2.5, 3.0]), None))
+    t.on_step(StepResult(pre, 4.0, 5.123456789, (5.123456789,), None))
+    t.on_step(StepResult(dec, 10 / 3, 11 / 3, (11 / 3,), None))
+    want = io.StringIO(newline="")
+    w = csv.writer(want)
+    w.writerow(Timeline.HEADER)
+    w.writerows((*row[:8], f"{row[8]:.6f}", f"{row[9]:.6f}", *row[10:]) for row in t.csv_rows())
+    t.write_csv(tmp_path / "timeline.csv")
+    assert (tmp_path / "timeline.csv").read_bytes() == want.getvalue().encode()
+    Timeline().write_csv(tmp_path / "empty.csv")
+    assert (tmp_path / "empty.csv").read_bytes() == b",".join(h.encode() for h in Timeline.HEADER) + b"\r\n"
+
+
 def test_token_gaps_take_lists_and_arrays_in_order(monkeypatch):
     """Step ends given as lists and as arrays (a long stretch's), packed or not: the gaps between each launch's
     consecutive steps, in the order given, each with its launch's count."""
