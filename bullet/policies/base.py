@@ -34,6 +34,7 @@ def most_steps(need: Callable[[int], int], steps: int, free: int) -> int:
         lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
     return lo
 
+
 class SchedulingError(RuntimeError):
     pass
 
@@ -359,11 +360,8 @@ class Scheduler:
         ids = None
         if req.prompt_ids is not None:
             ids = (req.prompt_ids if not req.output_ids else req.prompt_ids + tuple(req.output_ids))[start:start + n]
-        table = self.kv.tables[req.id]
-        if len(table) != self.kv.held[req.id]:  # (its callers allocate first, which names every block)
-            table = self.kv.table(req.id)
         # (a plain tuple of Chunk's type, as _decode_chunks makes them: the same object at half Chunk()'s cost)
-        return tuple.__new__(Chunk, (req.id, start, n, table, start + n == known, ids, req.sampling))
+        return tuple.__new__(Chunk, (req.id, start, n, self.kv.table(req.id), start + n == known, ids, req.sampling))
 
     def _take_prefills(self, budget: int, chunks: list[Chunk], reqs: list[Request]) -> int:
         """Fill ``budget`` tokens with prefill chunks: partially prefilled running requests first, then
@@ -438,8 +436,10 @@ class Scheduler:
         if starts is None:
             starts = [r.num_computed for r in reqs]
         kv = self.kv
-        tables, held = kv.tables, kv.held
-        # (the table named, the call made only for one with reserved blocks)
+        tables = kv.tables
+        if not kv.num_reserved:  # (every table named: the usual case, one lookup a request)
+            return [new(Chunk, (r.id, s, 1, tables[r.id], True, None, r.sampling)) for r, s in zip(reqs, starts)]
+        held = kv.held  # (the table named, the call made only for one with reserved blocks)
         return [new(Chunk, (r.id, s, 1, tables[r.id] if len(tables[r.id]) == held[r.id] else kv.table(r.id), True,
                             None, r.sampling)) for r, s in zip(reqs, starts)]
 
@@ -490,9 +490,7 @@ class Scheduler:
             held, k = kv.held, extra + off
             grow = [(r.id, e + k) for r, e in zip(reqs, ends) if e + k > held[r.id] * bs]
             if grow:  # (most stretches stay within the requests' last blocks)
-                kv.grow(grow)
-                if type(chunks) is not DecodeChunks:  # (these chunks hold the live lists: name the new blocks)
-                    kv.name([rid for rid, _ in grow])
+                kv.grow(grow, named=type(chunks) is not DecodeChunks)  # (chunks holding the live lists: named)
         else:
             extra = 0
         batch = Batch(partition, self.all_layers, chunks, extra + 1)
@@ -526,15 +524,16 @@ class Scheduler:
         within = bisect_left(cum, budget)
         return within if within < extra else extra  # noqa: FURB136
 
-    def _one_step(self, reqs: list[Request]) -> list[Request]:
+    def _one_step(self, reqs: list[Request], named: bool = False) -> list[Request]:
         """KV for one more token of each request (by priority), evicting lower-priority idle ones when short;
-        returns those that got it (the others wait a step, or were evicted)."""
+        returns those that got it (the others wait a step, or were evicted). ``named``: the new blocks named now
+        (:meth:`BlockManager.grow`), for chunks that hold the tables' live lists."""
         kv, bs, held = self.kv, self.kv.block_size, self.kv.held
         grow = [(r.id, r.num_computed + 1) for r in reqs if r.num_computed >= held[r.id] * bs]
         if grow:
             if len(grow) > kv.num_free:
                 return self._make_room(reqs)
-            kv.grow(grow)
+            kv.grow(grow, named)
         return reqs
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:

@@ -737,7 +737,7 @@ class Bullet(LayerSliced):
         if len(grow) > kv.num_free:
             return None
         if grow:
-            kv.grow(grow)
+            kv.grow(grow, named=True)  # (list chunks below: the live tables)
             if self._arrays is not None:
                 self._arrays.held_changed()
         chunks, reqs, _ = self.job

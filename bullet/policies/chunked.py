@@ -19,7 +19,7 @@ class ChunkedPrefill(Scheduler):
                 return None
             return self._decode_batch(lane, self.whole_gpu, decoders, now, self.arrival_horizon(horizon))
         budget = self.cfg.max_batched_tokens
-        reqs = self._one_step(decoders[:budget])
+        reqs = self._one_step(decoders[:budget], named=True)  # (list chunks: the live tables)
         chunks = self._decode_chunks(reqs)
         self.busy.update([r.id for r in reqs])
         self._take_prefills(budget - len(chunks), chunks, reqs)
