@@ -4,6 +4,7 @@
 # at or above chunked prefill's at each rate, with two runs each to show the card's own spread?
 #   bash tools/gpu_policy_check.sh   # ~480 s on an H200: the stall finder on arxiv 12 (~130 s), then arxiv x2 (~340 s)
 #   STALLS=0 REPEAT=1 RUNS="sharegpt:10 azure-code:3" bash tools/gpu_policy_check.sh   # ~150 s: the other rows
+#   POLICIES="bullet chunked-8192 chunked-2048" ...   # the policies compared (default bullet chunked-8192)
 # Logs under $OUT (default policy_check/): stalls.txt, policy_real.txt, pr/runs.json, pr/timeline.csv.
 set -o pipefail
 OUT=${OUT:-policy_check}
@@ -19,6 +20,6 @@ if [ "${STALLS:-1}" != 0 ]; then
 fi
 # shellcheck disable=SC2086  # RUNS is a list of TRACE:RATES words
 timeout "${LIMIT:-380}" python3 bench/policy_real.py --latency "$MODEL" --runs ${RUNS:-arxiv:10,12,14} \
-    --policies bullet chunked-8192 --num-requests 100 --repeat "${REPEAT:-2}" --out "$OUT/pr" > "$OUT/policy_real.txt" 2>&1
+    --policies ${POLICIES:-bullet chunked-8192} --num-requests 100 --repeat "${REPEAT:-2}" --out "$OUT/pr" > "$OUT/policy_real.txt" 2>&1
 echo "policy_real: exit $?"
 sed -n '/bullet goodput (runs)/,$p' "$OUT/policy_real.txt"
