@@ -237,6 +237,8 @@ def compare(rows: list[dict]) -> None:
     print("\n| trace | rate | bullet goodput (runs) | best other (runs) | bullet vs best, median |")
     print("|---|---:|---:|---:|---:|")
     for (trace, rate, start), by in cases.items():
+        if "bullet" not in by or len(by) < 2:
+            continue
         med = {k: statistics.median(v) for k, v in by.items()}
         other = max((k for k in med if k != "bullet"), key=med.get)
         runs = {k: " ".join(f"{x:.3f}" for x in v) for k, v in by.items()}
