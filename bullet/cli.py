@@ -206,6 +206,14 @@ class BulletGroup(TyperGroup):
         except UsageError as e:
             raise fail(f"{ctx.invoked_subcommand or 'bullet'}: {e.format_message()}") from None
 
+    def format_help(self, ctx, formatter) -> None:
+        # the command list shows each command's first paragraph; typer's rich layout keeps its docstring's line
+        # breaks, which then break mid-sentence at 80 columns: give it the paragraph as one line to wrap
+        for command in self.commands.values():
+            if command.short_help is None and command.help:
+                command.short_help = " ".join(command.help.split("\n\n")[0].split())
+        super().format_help(ctx, formatter)
+
 
 class PlainHelpCommand(TyperCommand):
     """A command whose --help is click's plain layout, its options grouped under their panel names: at 80
