@@ -23,7 +23,7 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperCommand
 from typer.main import get_command_name
 
 from . import __version__
@@ -95,7 +95,7 @@ from .cli_options import (
     slo_name,
 )
 from .cli_trace import ArrivalChoice as Arrival
-from .cli_trace import fail, parse_host_gap, parse_sizes, trace_app
+from .cli_trace import SummaryGroup, fail, parse_host_gap, parse_sizes, trace_app
 from .config import (
     CacheConfig,
     ConfigError,
@@ -191,7 +191,7 @@ def plain_values(command, ctx) -> None:
             param._runtime_param = PlainValues()
 
 
-class BulletGroup(TyperGroup):
+class BulletGroup(SummaryGroup):
     """The ``bullet`` command group: reads vLLM's multi-value ``--goodput``, and reports a bad flag of a
     command (unknown option, value of the wrong type) in one red line with exit code 2, as every other bad
     input, instead of click's usage box."""
@@ -205,14 +205,6 @@ class BulletGroup(TyperGroup):
             return super().invoke(ctx)
         except UsageError as e:
             raise fail(f"{ctx.invoked_subcommand or 'bullet'}: {e.format_message()}") from None
-
-    def format_help(self, ctx, formatter) -> None:
-        # the command list shows each command's first paragraph; typer's rich layout keeps its docstring's line
-        # breaks, which then break mid-sentence at 80 columns: give it the paragraph as one line to wrap
-        for command in self.commands.values():
-            if command.short_help is None and command.help:
-                command.short_help = " ".join(command.help.split("\n\n")[0].split())
-        super().format_help(ctx, formatter)
 
 
 class PlainHelpCommand(TyperCommand):

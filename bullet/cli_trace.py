@@ -13,10 +13,24 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from .traces import TraceError, TraceStats, read_table, save_trace, synthesize, trace_stats
 
+
+class SummaryGroup(TyperGroup):
+    """A command group whose list shows each command's first paragraph as one paragraph: typer's rich layout
+    keeps a docstring's line breaks, which then break lines mid-sentence at 80 columns."""
+
+    def format_help(self, ctx, formatter) -> None:
+        for command in self.commands.values():
+            if command.short_help is None and command.help:
+                command.short_help = " ".join(command.help.split("\n\n")[0].split())
+        super().format_help(ctx, formatter)
+
+
 trace_app = typer.Typer(
+    cls=SummaryGroup,
     help="Inspect and generate request traces (Azure 2023, Vidur, Mooncake JSONL, length-only CSV).",
     no_args_is_help=True,
 )
