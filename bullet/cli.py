@@ -247,6 +247,8 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_print_ver
     """bullet: LLM serving with prefill and decode on disjoint SM partitions, and the simulator that plans it."""
 
 
+for _info in trace_app.registered_commands:  # the same plain --help as every other command
+    _info.cls = PlainHelpCommand
 app.add_typer(trace_app, name="trace", help="Inspect and generate request traces.")
 
 from .cli_whatif import CONTEXT as _WHATIF_CONTEXT
