@@ -247,6 +247,16 @@ def test_group_help_wraps_each_command_summary_as_one_paragraph(args, command):
             assert padding <= len(text_next.split()[0]) + 2, (line, text_next)
 
 
+@pytest.mark.parametrize("command", [["validate"], ["whatif"], ["profile"], ["fit"], ["run"], ["bench"],
+                                     ["trace", "stats"], ["trace", "generate"]])
+def test_every_command_help_fits_80_columns_with_its_flags_whole(command):
+    res = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert res.exit_code == 0
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    if command == ["trace", "generate"]:
+        assert "--arrival <poisson|gamma|constant>" in res.output  # the choices whole, on the flag's line
+
+
 # ---------------------------------------------------------------------------------------------- reproduction
 def test_summary_records_a_command_that_reproduces_the_run(tmp_path):
     trace = tmp_path / "lengths.csv"
