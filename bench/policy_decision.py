@@ -149,21 +149,59 @@ TOGGLE = "_operator_call"
 KINDS = ("new-job", "slice", "blocked", "decode-beside", "decode-whole", "order")
 
 
-def collect(running: int, waiting: int, latency, twin_latency, kind: str, states: int, first: int) -> None:
+def collect(running: int, waiting: int, latency, twin_latency, kind: str, states: int, first: int,
+            within: str | None = None) -> None:
     """Under callgrind (:func:`instructions`): one decision of ``kind`` on each of states 1..``states``, called
     through ``operator.call`` (collected) from state ``first`` on. ``order``: ``_order`` alone in the new job's
-    state (a decode launch came back: the seat releases gathered afresh)."""
+    state (a decode launch came back: the seat releases gathered afresh). ``within`` (``Class.method``, a class of
+    the scheduler's or the latency model's module): only the calls of that method inside the decision are
+    collected (each goes through ``operator.call`` while the decision runs; a method that calls itself, or is
+    reached twice on one stack, counts twice)."""
+    owner = name = None
+    if within is not None:
+        cls_name, name = within.split(".")
+        owner = _owner(cls_name)
     for seed in range(1, states + 1):
         sched, now, lane, twin = decision_states(running, waiting, latency,
                                                  "new-job" if kind == "order" else kind, seed, twin_latency)
         fn, args = (sched._order, (now,)) if kind == "order" else (sched.schedule, (lane, now, None))
         gc.disable()
-        if seed >= first:
+        if seed >= first and owner is not None:
+            orig = owner.__dict__[name]
+            call = operator.call
+            setattr(owner, name, _through(orig, call))
+            try:
+                fn(*args)
+            finally:
+                setattr(owner, name, orig)
+        elif seed >= first:
             operator.call(fn, *args)
         else:
             fn(*args)
         gc.enable()
         del sched, twin
+
+
+def _owner(cls_name: str) -> type:
+    """The class named ``cls_name`` among the scheduler's, the block manager's and the latency models' modules."""
+    import importlib
+    for mod in ("bullet.policies.bullet", "bullet.policies.base", "bullet.kvcache", "bullet.perfmodel.fitted",
+                "bullet.perfmodel.base", "bullet.perfmodel.roofline"):
+        cls = getattr(importlib.import_module(mod), cls_name, None)
+        if isinstance(cls, type):
+            return cls
+    raise SystemExit(f"--within: no class {cls_name!r} in the scheduler's or latency models' modules")
+
+
+def _through(orig, call):
+    """``orig`` (a function, staticmethod or property of a class) called through ``call``."""
+    if isinstance(orig, staticmethod):
+        f = orig.__func__
+        return staticmethod(lambda *a, **k: call(f, *a, **k))
+    if isinstance(orig, property):
+        g = orig.fget
+        return property(lambda self: call(g, self))
+    return lambda *a, **k: call(orig, *a, **k)
 
 
 def instructions(argv: list[str], kind: str, states: int, first: int) -> float:
@@ -223,6 +261,8 @@ def main() -> None:
     ap.add_argument("--callgrind", action="store_true", help="instructions per whole decision (needs valgrind)")
     ap.add_argument("--callgrind-from", type=int, default=6, help="the first state counted (earlier ones: warm-up)")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="--callgrind: the decisions")
+    ap.add_argument("--within", metavar="CLASS.METHOD",
+                    help="--callgrind: count only inside this method's calls (e.g. Bullet._order) in each decision")
     ap.add_argument("--collect", choices=KINDS, help=argparse.SUPPRESS)  # (the run under callgrind)
     args = ap.parse_args()
     for name in ("running", "waiting", "states", "callgrind_from"):
@@ -235,13 +275,14 @@ def main() -> None:
     twin_latency = latency_model(args.latency, model, gpu)  # (the whole decisions' twins': see decision_states)
     R, W = args.running, args.waiting
     if args.collect:
-        collect(R, W, latency, twin_latency, args.collect, args.states, args.callgrind_from)
+        collect(R, W, latency, twin_latency, args.collect, args.states, args.callgrind_from, args.within)
         return
     if args.callgrind:
         argv = ["--latency", args.latency, "--running", str(R), "--waiting", str(W), "--states", str(args.states),
-                "--callgrind-from", str(args.callgrind_from)]
+                "--callgrind-from", str(args.callgrind_from), *(("--within", args.within) if args.within else ())]
+        inside = f", inside {args.within} alone" if args.within else ""
         print(f"bullet decision instructions: {R} running, {W} waiting, latency {args.latency}, mean of states "
-              f"{args.callgrind_from}-{args.states}\n")
+              f"{args.callgrind_from}-{args.states}{inside}\n")
         print("| decision | instructions |")
         print("|---|---:|")
         for kind in args.kinds:

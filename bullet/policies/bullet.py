@@ -345,8 +345,9 @@ class DecodeArrays:
 
     def sorted_left(self) -> np.ndarray:
         """Every running request's tokens left, sorted (gathered once per change)."""
-        if self._sorted is None:
-            self._sorted = np.sort(self.left[:self.size][self.live[:self.size]])
+        if self._sorted is None:  # (no slot freed since the arrays were made: every one live, no mask to gather)
+            left = self.left[:self.size]
+            self._sorted = np.sort(left if len(self.slot) == self.size else left[self.live[:self.size]])
         return self._sorted
 
     def work(self, num_layers: int) -> Work:
@@ -462,11 +463,11 @@ class Bullet(LayerSliced):
         self.num_late = 0  # requests predicted to miss their TTFT when ordered (served best-effort or rejected)
         self._late: set[int] = set()  # those of them still held (each is counted once)
         # the fresh part of the queue (never admitted), kept sorted for _order: by (TTFT deadline, id) and by
-        # (known tokens, id), each entry with the other of the two (and the first with _order's heap item, made
-        # once, which ends with (deadline, id, known, request, (late key, id, request)): the entry _order and
-        # _late_ones pass around, the late key _late_key's); none of them changes while a request waits
-        self._by_deadline: list[tuple[float, int, int, Request, tuple]] = []
-        self._by_length: list[tuple[int, int, float, Request]] = []
+        # (known tokens, as a float, id), each entry with the other of the two (and the first with _order's heap
+        # item, made once, which ends with (deadline, id, known, request, (late key, id, request)): the entry
+        # _order and _late_ones pass around, the late key _late_key's); none of them changes while a request waits
+        self._by_deadline: list[tuple[float, int, float, Request, tuple]] = []
+        self._by_length: list[tuple[float, int, float, Request]] = []
         self._queued: dict[int, tuple[tuple, tuple]] = {}  # request id -> its two keys
         self._arrays: DecodeArrays | None = None  # while many requests run (ARRAYS_FROM)
         # the ids of a decode launch planned from the arrays while it is in flight, kept out of ``busy`` (holds());
@@ -501,9 +502,12 @@ class Bullet(LayerSliced):
             self._shed.add(req.id)
             self.num_shed += 1
         i, known = req.id, req.known
-        # (and below, with _order's max-heap item: longest, then latest due; the late key made once)
+        # (and below, with _order's max-heap item: longest, then latest due; the late key made once; the known
+        # tokens as a float where _order and _merged multiply them by the per-token time: the same product, as
+        # Python converts an int operand first, by the interpreter's float multiply instead of its generic one)
         first = (deadline, i, known, req, (self._late_key(i), i, req))
-        keys = self._queued[i] = ((deadline, i, known, req, (-known, -deadline, -i, first)), (known, i, deadline, req))
+        fk = float(known)
+        keys = self._queued[i] = ((deadline, i, fk, req, (-fk, -deadline, -i, first)), (fk, i, deadline, req))
         insort(self._by_deadline, keys[0])
         insort(self._by_length, keys[1])
 
@@ -1254,7 +1258,7 @@ class Bullet(LayerSliced):
         # longest first, then the latest due
         kept: list[tuple[int, float, int, tuple]] = []
         late: list[tuple] = []  # the items' entries: (deadline, id, known, request, (late key, id, request))
-        push, pop = heapq.heappush, heapq.heappop
+        push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
         t, c = now, -1  # c: the kept requests less one (the seat the latest waits for)
         # (a plain list until the first drop, then a heap: the same requests are dropped, as pops take the
         # largest item of a total order whatever the heap's layout)
@@ -1273,7 +1277,7 @@ class Bullet(LayerSliced):
                     heaped = True
                     x = pop(kept)
                 else:
-                    x = heapq.heappushpop(kept, item)
+                    x = pushpop(kept, item)
                 t += x[0] * per_token
                 late.append(x[3])
                 c -= 1
