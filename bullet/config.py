@@ -350,6 +350,11 @@ class SloConfig:
     def ttft_target(self, prompt_len: int) -> float | None:
         return self.ttft_per_token * prompt_len if self.ttft_per_token is not None else self.ttft
 
+    @property
+    def absolute_ttft(self) -> bool:
+        """Whether the TTFT target is the same for every prompt (not per token, and set)."""
+        return self.ttft_per_token is None and self.ttft is not None
+
 
 # SLO sets by name (``bullet simulate --slo``). The paper's are the Bullet paper's evaluation SLOs per workload
 # (Lin et al., arXiv 2504.19516): TTFT per prompt token and TPOT. ``tight`` is an interactive target of this

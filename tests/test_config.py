@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from bullet.config import GPUS, MODELS, CacheConfig, ConfigError, ModelSpec, SchedulerConfig, resolve_model
+from bullet.config import (
+    GPUS,
+    MODELS,
+    CacheConfig,
+    ConfigError,
+    ModelSpec,
+    SchedulerConfig,
+    SloConfig,
+    resolve_model,
+)
 
 
 def test_llama_8b_shapes():
@@ -67,3 +76,10 @@ def test_validation_names_the_field():
         SchedulerConfig(policy="fastest")
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
+
+
+def test_absolute_ttft_only_when_no_per_token_target_overrides_it():
+    assert SloConfig().absolute_ttft and SloConfig(ttft=0.5, tpot=0.05).absolute_ttft
+    assert not SloConfig(ttft_per_token=0.003).absolute_ttft  # (ttft keeps its 3 s default, overridden)
+    assert not SloConfig(ttft=None, ttft_per_token=0.003).absolute_ttft
+    assert not SloConfig(ttft=None).absolute_ttft

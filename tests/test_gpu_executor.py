@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bullet.batch import Batch, Chunk, Partition
-from bullet.config import GPUS, MODELS, SchedulerConfig
+from bullet.config import GPUS, MODELS, SchedulerConfig, SloConfig
 from bullet.engine import serve
 from bullet.gpu.executor import GpuExecutor, synthetic_ids
 from bullet.gpu.model import reference_forward
@@ -60,7 +60,7 @@ def make_requests(n=7, seed=0, with_ids=False):
 
 
 def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, menu=None, prefix_caching=False,
-              waves=None, prefill_graphs=(), decode_rows=(False,), **cfg):
+              waves=None, prefill_graphs=(), decode_rows=(False,), slo=None, **cfg):
     """``waves``: lists of requests served one after another by the same scheduler and executor (so that
     later ones can find earlier ones' blocks in the prefix cache); default one wave of ``reqs``.
     ``prefill_graphs``: (lane, SMs) pairs to capture prefill graphs for, every bucket, the whole forward and
@@ -73,7 +73,7 @@ def run_serve(weights, reqs, policy, device="cpu", num_blocks=64, dtype=None, me
         executor.capture_prefill(lane, sms, layer_ranges=[range(L)] + [range(i, i + 1) for i in range(L)],
                                  decode_rows=decode_rows)
     kv = BlockManager(num_blocks, 4, prefix_caching)
-    sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers))
+    sched = make_scheduler(SchedulerConfig(policy=policy, **cfg), SPEC, gpu, kv, LinearLatency(SPEC.num_layers), slo=slo)
     steps = []
     done = []
     for wave in waves or [reqs]:
@@ -100,6 +100,9 @@ def check_against_reference(weights, done, reqs):
     ("static-split", {"max_batched_tokens": 32, "layers_per_step": 1}),
     ("naive-concurrent", {"max_batched_tokens": 32}),
     ("bullet", {"max_batched_tokens": 32, "layers_per_step": 1}),
+    # a per-token TTFT target: bullet's jobs share the GPU with decode (sliced, mixed launches) instead of taking
+    # it whole while decode lends the stall, as under the default absolute target (LIGHT_STALL)
+    ("bullet", {"max_batched_tokens": 32, "layers_per_step": 1, "slo": SloConfig(ttft=None, ttft_per_token=0.003)}),
     ("chunked", {"max_batched_tokens": 16, "async_scheduling": True}),
     ("prefill-first", {"max_batched_tokens": 24, "async_scheduling": True}),
 ])
@@ -117,11 +120,12 @@ def test_serve_matches_reference(weights, policy, cfg):
     if policy not in ("prefill-first", "bullet"):  # prefill-first's decode waits for each prefill; bullet's
         # stretches end at each 1-layer slice here (its fused launches are checked on a fake clock below)
         assert any(res.batch.steps > 1 for res in steps)
-    if policy in ("static-split", "bullet"):
+    sliced = policy == "static-split" or (policy == "bullet" and "slo" in cfg)
+    if sliced:
         assert any(res.batch.layers.stop < SPEC.num_layers for res in steps)  # layer slices too
     if policy == "chunked":  # fused launches that start with a prefill-completing (mixed) step
         assert any(res.batch.steps > 1 and any(c.num_tokens > 1 for c in res.batch.chunks) for res in steps)
-    if policy == "bullet":  # mixed launches on the prefill lane: prompts and decode rows (Bullet._mixed)
+    if policy == "bullet" and "slo" in cfg:  # mixed launches on the prefill lane: prompts and decode rows (Bullet._mixed)
         assert any(res.batch.lane == "prefill" and {c.num_tokens == 1 and c.start > 0 for c in res.batch.chunks} == {True, False}
                    for res in steps)
     assert not executor._reqs  # every finished request was released

@@ -100,6 +100,11 @@ EFFICIENT_WITHIN = 0.05  # token_target: the smallest batch whose per-token pref
 KNEE = 0.1  # decode's useful size: within this fraction of the step time on its largest size
 IDLE_KNEE = 0.5  # ... and, with nobody waiting behind the prefill job, within this fraction
 WAIT_FOR_DECODE = 0.25  # a slice waits for SMs decode holds if decode ends within this fraction of the slice
+# Under an absolute TTFT target, the rest of a prefill job runs on the whole GPU, decode waiting, whenever that stall
+# (and a decode step after it) takes at most this fraction of what every decoding request can lend and no queued
+# request is predicted late: the whole GPU serves a prompt 20-28 % sooner than the split's prefill side, which is
+# what a burst of long prompts needs (bench/RESULTS.md, "bullet under the tight SLOs at light load")
+LIGHT_STALL = 0.5
 SHED_WINDOW = 10.0  # seconds of recent arrivals whose whole-GPU work _shed_on_arrival weighs against their span
 SHED_CAPACITY = 1.15  # ... and the whole-GPU seconds of work one second is taken to carry (lanes co-running)
 SHED_DEEP = 1.8  # ... no deferral when they carry more than this a second: a burst deferring cannot carry
@@ -718,11 +723,15 @@ class Bullet(LayerSliced):
             return None
         return t
 
+    def _late_queued(self) -> bool:
+        """Whether a queued request is predicted to miss its TTFT (:meth:`_order`'s late set)."""
+        late = self._late
+        return bool(late) and any(r.id in late for r in self.waiting)
+
     def _queue_keeps(self, now: float, t: float, skip: int = 0) -> bool:
         """No queued request is predicted late, and the head (past the first ``skip``) meets its TTFT deadline
         after ``t`` seconds more of prefill (at the per-token speed prefill has now)."""
-        late = self._late
-        if late and any(r.id in late for r in self.waiting):
+        if self._late_queued():
             return False
         if len(self.waiting) <= skip:
             return True
@@ -835,15 +844,22 @@ class Bullet(LayerSliced):
         queue is blocked (seats or KV full): decode speed is what frees them. At the splits decode's TPOT
         leaves prefill, co-running saves the fitted H200 model only 1-14 % of GPU time against running the
         lanes in turn, while a prompt next to decode on 68-100 SMs takes 1.5-2x its whole-GPU time: under an
-        absolute TTFT target, long prompts missed theirs on the split (bench/RESULTS.md, sharegpt tight)."""
+        absolute TTFT target, long prompts missed theirs on the split (bench/RESULTS.md, sharegpt tight). So under
+        an absolute TTFT target (``slo.absolute_ttft``) the whole GPU is also taken, whatever the deadlines, while
+        the stall and a decode step after it fit in LIGHT_STALL of that room and no queued request is predicted
+        late (a queue already late is an overload, where co-running's throughput counts more)."""
         if not view.work.seqs or (self.waiting and not self.admissible()):
             return False
         _, reqs, first = self.job
+        predict, N = self.latency.predict, self.N
+        rest = self._job_work(range(first, self.model.num_layers))
+        if self.slo.absolute_ttft and not self._late_queued():
+            whole = float(predict(rest, N))
+            if whole + float(predict(view.work, N)) <= LIGHT_STALL * self._stall_room(now):
+                return True  # decode can lend it twice over: the prompts' TTFT is worth more
         due = min((self.deadline[r.id] for r in reqs if self.deadline.get(r.id, 0.0) > now), default=None)
         if due is None:
             return False
-        predict, N = self.latency.predict, self.N
-        rest = self._job_work(range(first, self.model.num_layers))
         if predict(rest, p, view.work, N - p) <= (due - now) * (1 - self.cfg.slo_margin):
             return False  # the split meets it
         whole = float(predict(rest, N))
