@@ -182,7 +182,7 @@ def collect(running: int, waiting: int, latency, twin_latency, kind: str, states
         del sched, twin
 
 
-def _owner(cls_name: str) -> type:
+def _owner(cls_name: str) -> type | None:
     """The class named ``cls_name`` among the scheduler's, the block manager's and the latency models' modules."""
     import importlib
     for mod in ("bullet.policies.bullet", "bullet.policies.base", "bullet.kvcache", "bullet.perfmodel.fitted",
@@ -190,7 +190,7 @@ def _owner(cls_name: str) -> type:
         cls = getattr(importlib.import_module(mod), cls_name, None)
         if isinstance(cls, type):
             return cls
-    raise SystemExit(f"--within: no class {cls_name!r} in the scheduler's or latency models' modules")
+    return None
 
 
 def _through(orig, call):
@@ -270,6 +270,12 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')}: at least 1, got {getattr(args, name)}")
     if args.callgrind_from > args.states:
         ap.error(f"--callgrind-from {args.callgrind_from} is past --states {args.states}")
+    if args.within is not None:
+        cls_name, _, method = args.within.partition(".")
+        owner = _owner(cls_name)
+        if owner is None or not method or method not in owner.__dict__:
+            ap.error(f"--within {args.within}: give CLASS.METHOD, a method defined on a class of the scheduler's, "
+                     f"block manager's or latency models' modules (e.g. Bullet._order)")
     model, gpu = MODELS["llama-3.1-8b"], GPUS["h200"]
     latency = latency_model(args.latency, model, gpu)
     twin_latency = latency_model(args.latency, model, gpu)  # (the whole decisions' twins': see decision_states)
