@@ -54,13 +54,13 @@ def report(folder: str, seeds: int) -> None:
     print(f"\n{folder}: {len(pts)} held-out mixed points over seeds 0..{seeds - 1}")
     print("| group | points | MAPE % | bias % |\n|---|---:|---:|---:|")
     print(f"| all | {len(a)} | {100 * np.abs(err).mean():.2f} | {100 * err.mean():+.2f} |")
-    groups = [(f"prompt tokens {lo}-{hi}", (ptok >= lo) & (ptok < hi)) for lo, hi in ((0, 512), (512, 1536), (1536, 1e9))]
     share = rows / tokens
-    groups += [(f"decode rows / tokens {lo}-{hi}", (share >= lo) & (share < hi)) for lo, hi in ((0, .05), (.05, .2), (.2, 1.01))]
+    groups = [("prompt tokens 0-512", ptok < 512), ("prompt tokens 512-1536", (ptok >= 512) & (ptok < 1536)),
+              ("prompt tokens 1536-up", ptok >= 1536), ("decode rows / tokens 0-0.05", share < .05),
+              ("decode rows / tokens 0.05-0.2", (share >= .05) & (share < .2)), ("decode rows / tokens 0.2-1.01", share >= .2)]
     for name, sel in groups:
         if sel.any():
-            print(f"| {name.replace('1000000000.0', 'up')} | {sel.sum()} | {100 * np.abs(err[sel]).mean():.2f} | "
-                  f"{100 * err[sel].mean():+.2f} |")
+            print(f"| {name} | {sel.sum()} | {100 * np.abs(err[sel]).mean():.2f} | {100 * err[sel].mean():+.2f} |")
     X = np.column_stack([np.ones(len(a)), share, dkv / (dkv + pairs)])
     coef, *_ = np.linalg.lstsq(X, err, rcond=None)
     print(f"left after a correction on the decode rows fitted to these errors (upper bound): "
